@@ -1,0 +1,139 @@
+"""The compile phases, in the order `pipeline.compile_model` runs them.
+
+Each takes the `CompileState`, extends it, and returns a one-line summary for the log.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+from tallow.model_defs.config import ConfigError
+from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
+from tallow.runtime.errors import ModelSourceError
+from tallow.runtime.manifest import (
+    FORMAT_VERSION,
+    KVCacheInfo,
+    Manifest,
+    ModelInfo,
+    TargetInfo,
+)
+
+from . import tokenizer_files
+from .pipeline import CompileState, make_work_dir
+from .source import resolve_source, sha256_file
+from .target import DTYPES, resolve_target
+from .weights import ParamSpec, check_weight_map, write_weight_shards
+
+LIBRARY_NAME = "model.so"
+
+
+def read_config(state: CompileState) -> str:
+    opts = state.options
+    state.target = resolve_target(opts.target, opts.dtype)
+    state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
+    try:
+        state.architecture = arch = get_architecture(source.config)
+        state.config = config = arch.config_from_hf(source.config)
+    except (UnknownArchitectureError, ConfigError) as e:
+        raise ModelSourceError(f"{source.spec}: {e}") from e
+    if opts.context_window:
+        config.context_window_size = min(opts.context_window, config.context_window_size)
+    name = opts.name or f"{source.name}-{opts.dtype}-{state.target.suffix}"
+    make_work_dir(state, name)
+    return (
+        f"{arch.hf_name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads}/{config.num_key_value_heads} heads"
+    )
+
+
+def build_module(state: CompileState) -> str:
+    dtype = DTYPES[state.options.dtype]
+    state.module = state.architecture.build(state.config, dtype, state.target.tvm())
+    return f"{type(state.module).__name__} ({dtype})"
+
+
+def export_functions(state: CompileState) -> str:
+    module = state.module
+    state.ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    state.params = [
+        ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params
+    ]
+    state.functions = list(module.get_default_spec())
+    # Check the checkpoint against the module now, before the expensive build.
+    state.checkpoint = checkpoint = state.source.open_checkpoint()
+    state.weight_map = state.source.weight_map(state.architecture, state.config)
+    check_weight_map(state.weight_map, state.params, checkpoint.names(), checkpoint.shape)
+    return f"{len(state.functions)} functions, {len(state.params)} parameters"
+
+
+def lower(state: CompileState) -> str:
+    from .relax_pipeline import lower_module
+
+    state.ir_module = lower_module(state.ir_module, state.target)
+    return f"{len(state.ir_module.functions)} functions after lowering"
+
+
+def build_library(state: CompileState) -> str:
+    from .relax_pipeline import build_module as build_ir
+
+    path = state.work_dir / LIBRARY_NAME
+    build_ir(state.ir_module, state.target, path)
+    return f"{LIBRARY_NAME}: {path.stat().st_size / 2**20:.1f} MiB"
+
+
+def convert_weights(state: CompileState) -> str:
+    state.param_infos = write_weight_shards(
+        state.work_dir, state.params, state.weight_map, state.checkpoint.get, state.progress
+    )
+    shards = {p.shard for p in state.param_infos}
+    size = sum((state.work_dir / s).stat().st_size for s in shards)
+    return f"{len(state.param_infos)} tensors in {len(shards)} shard(s), {size / 2**20:.1f} MiB"
+
+
+def copy_tokenizer(state: CompileState) -> str:
+    state.tokenizer_info = tokenizer_files.write(state.source, state.config, state.work_dir)
+    info = state.tokenizer_info
+    template = "with chat template" if info.chat_template else "no chat template"
+    return f"{', '.join(info.files)} ({template})"
+
+
+def write_manifest(state: CompileState) -> str:
+    src, cfg, opts = state.source, state.config, state.options
+    dtype = DTYPES[opts.dtype]
+    files = {p.name: sha256_file(p) for p in src.input_files()}
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        tallow_version=importlib.metadata.version("tallow"),
+        tvm_version=importlib.metadata.version("apache-tvm"),
+        model=ModelInfo(
+            name=src.name,
+            architecture=state.architecture.hf_name,
+            source=src.spec,
+            source_kind=src.kind,
+            source_files=dict(sorted(files.items())),
+            config=json.loads(json.dumps(cfg.to_dict())),
+        ),
+        dtype=dtype,
+        quantization=opts.dtype,
+        kv_cache=KVCacheInfo(
+            page_size=opts.page_size,
+            dtype=dtype,
+            context_window=cfg.context_window_size,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+        ),
+        target=TargetInfo(
+            kind=state.target.kind,
+            tvm_target=state.target.tvm_target,
+            host=state.target.host,
+            details=state.target.details,
+        ),
+        library=LIBRARY_NAME,
+        functions=state.functions,
+        params=state.param_infos,
+        tokenizer=state.tokenizer_info,
+    )
+    manifest.write(state.work_dir)
+    return f"{state.final_dir}"

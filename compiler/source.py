@@ -1,0 +1,181 @@
+"""Finding and checking the model to compile: a local folder, a GGUF file, or a hub id.
+
+Everything is validated here, before any compile work starts, so a bad model folder
+fails with a message naming the problem and nothing half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tallow.runtime.errors import ModelSourceError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class ModelSource:
+    """A model ready to read: where it came from and which files hold what."""
+
+    spec: str  # what the user passed
+    kind: str  # "safetensors" or "gguf"
+    folder: Path
+    config: dict
+    weight_files: list[Path]
+    tokenizer_files: list[Path] = field(default_factory=list)
+    gguf_file: Path | None = None
+    hub_id: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.gguf_file:
+            base = self.gguf_file.stem
+        elif self.hub_id:
+            base = self.hub_id.split("/")[-1]
+        else:
+            base = self.folder.name
+        return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
+
+    def input_files(self) -> list[Path]:
+        if self.kind == "gguf":
+            return list(self.weight_files)
+        return sorted({*self.weight_files, *self.tokenizer_files, self.folder / "config.json"})
+
+    def open_checkpoint(self):
+        """The source tensors by name (`names()`, `shape(name)`, `get(name)`)."""
+        from .weights import SafetensorsCheckpoint
+
+        return SafetensorsCheckpoint(self.weight_files)
+
+    def weight_map(self, architecture, config) -> dict[str, list[str]]:
+        return architecture.hf_weight_map(config)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec)) and not spec.startswith(".")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """The snapshot folder of a hub model, from the local cache or a download.
+
+    huggingface_hub honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE itself.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - a hard dependency
+        raise ModelSourceError(f"huggingface_hub is needed for hub ids ({e})") from e
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ModelSourceError(
+            f"{repo_id} is not in the local Hugging Face cache and {why}; "
+            f"download it first or pass a local folder"
+        ) from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot fetch {repo_id} from the Hugging Face hub: {e}") from e
+
+
+def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
+    if spec == "default":
+        from .default_model import default_model_path
+
+        spec = str(default_model_path())
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from .gguf_source import gguf_source
+
+            return gguf_source(spec, path)
+        if path.suffix in PICKLE_SUFFIXES:
+            raise _pickle_error(path)
+        raise ModelSourceError(f"{path}: expected a model folder or a .gguf file")
+    if not path.exists():
+        if _looks_like_hub_id(spec) and not spec.startswith(("/", "~")):
+            source = _folder_source(spec, _download_from_hub(spec))
+            source.hub_id = spec
+            return source
+        raise ModelSourceError(f"model not found: {spec} (no such folder or file)")
+    return _folder_source(spec, path)
+
+
+def _pickle_error(path: Path) -> ModelSourceError:
+    return ModelSourceError(
+        f"{path}: PyTorch pickle checkpoints are refused, because loading a pickle can run "
+        f"arbitrary code; convert the model to safetensors (or GGUF) first"
+    )
+
+
+def _folder_source(spec: str, folder: Path) -> ModelSource:
+    ggufs = sorted(folder.glob("*.gguf"))
+    config_path = folder / "config.json"
+    if ggufs and not config_path.is_file():
+        from .gguf_source import gguf_source
+
+        return gguf_source(spec, ggufs[0])
+    if not config_path.is_file():
+        raise ModelSourceError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelSourceError(f"{config_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ModelSourceError(f"{config_path}: expected a JSON object")
+    weights = _safetensors_files(folder)
+    tokenizer_files = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelSourceError(
+            f"{folder}: no tokenizer.json (the fast-tokenizer file is needed at run time)"
+        )
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise ModelSourceError(f"{folder / 'tokenizer.json'}: cannot be read ({e})") from e
+    return ModelSource(spec, "safetensors", folder, config, weights, tokenizer_files)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelSourceError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelSourceError(f"{folder}: shards named in the index are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise _pickle_error(pickles[0])
+    raise ModelSourceError(f"{folder}: no *.safetensors weights found")

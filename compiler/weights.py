@@ -1,0 +1,125 @@
+"""Weight conversion: checkpoint tensors → the compiled model's parameters, in its order.
+
+Sources are read lazily (memory-mapped), fused where the module fuses them, cast to the
+artifact dtype and written as safetensors shards of bounded size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from tallow.runtime.errors import ModelSourceError
+from tallow.runtime.manifest import ParamInfo
+from tallow.runtime.safetensors_io import SafetensorsError, SafetensorsFile, save_safetensors
+
+from .progress import Progress
+
+SHARD_BYTES = 1 << 30
+_NUMPY_DTYPES = {
+    "float32": np.dtype("float32"),
+    "float16": np.dtype("float16"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
+
+# name -> array; a GGUF reader and a safetensors reader both fit behind this.
+TensorGetter = Callable[[str], np.ndarray]
+
+
+@dataclass
+class ParamSpec:
+    """A parameter the compiled library takes, in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a (possibly sharded) safetensors checkpoint, by name."""
+
+    def __init__(self, files: list[Path]):
+        self._where: dict[str, SafetensorsFile] = {}
+        for path in files:
+            try:
+                st = SafetensorsFile(path)
+            except SafetensorsError as e:
+                raise ModelSourceError(f"corrupt or truncated safetensors file: {e}") from e
+            for name in st.names():
+                self._where[name] = st
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].info(name).shape
+
+    def get(self, name: str) -> np.ndarray:
+        return self._where[name].get(name)
+
+
+def check_weight_map(
+    weight_map: dict[str, list[str]],
+    params: list[ParamSpec],
+    available: set[str],
+    shape_of: Callable[[str], tuple[int, ...]],
+) -> None:
+    """Fail before compiling if a tensor is missing or has the wrong shape."""
+    missing = sorted({s for p in params for s in weight_map.get(p.name, [p.name])} - available)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelSourceError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+    for p in params:
+        sources = weight_map[p.name]
+        shapes = [shape_of(s) for s in sources]
+        fused = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes else ()
+        if tuple(fused) != tuple(p.shape):
+            raise ModelSourceError(
+                f"tensor(s) {', '.join(sources)} have shape {list(fused)}; the config implies "
+                f"{list(p.shape)} for {p.name}"
+            )
+
+
+def _converted(
+    params: list[ParamSpec], weight_map: dict[str, list[str]], get: TensorGetter
+) -> Iterator[tuple[ParamSpec, np.ndarray]]:
+    for p in params:
+        parts = [np.asarray(get(s)) for s in weight_map[p.name]]
+        target = _NUMPY_DTYPES[p.dtype]
+        # Cast through float32: numpy has no direct bf16 <-> f16 path.
+        parts = [a if a.dtype == target else a.astype(np.float32).astype(target) for a in parts]
+        yield p, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def write_weight_shards(
+    out: Path,
+    params: list[ParamSpec],
+    weight_map: dict[str, list[str]],
+    get: TensorGetter,
+    progress: Progress,
+) -> list[ParamInfo]:
+    """Write shards `params_NNNNN.safetensors`; return the manifest's parameter list."""
+    infos: list[ParamInfo] = []
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = 0
+    index = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, index
+        if shard:
+            save_safetensors(out / f"params_{index:05d}.safetensors", shard, {"format": "tallow"})
+            shard, shard_bytes, index = {}, 0, index + 1
+
+    for n, (p, arr) in enumerate(_converted(params, weight_map, get), start=1):
+        if shard and shard_bytes + arr.nbytes > SHARD_BYTES:
+            flush()
+        shard[p.name] = arr
+        shard_bytes += arr.nbytes
+        infos.append(ParamInfo(p.name, list(arr.shape), p.dtype, f"params_{index:05d}.safetensors"))
+        progress.counter("weights", n, len(params))
+    flush()
+    return infos

@@ -1,0 +1,1 @@
+"""Model definitions, one file per architecture, found through `registry`."""

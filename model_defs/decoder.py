@@ -1,0 +1,224 @@
+"""A dense pre-norm decoder (RMSNorm, GQA attention on TVM's paged KV cache, SwiGLU MLP).
+
+Llama, Mistral, Qwen2 and Qwen3 are this network with small differences (qkv bias, per-head
+q/k norm, rope scaling), which the config carries. The architecture files choose the
+config and the weight names; the graph lives here once.
+"""
+
+from __future__ import annotations
+
+from tvm import relax as rx
+from tvm import te
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from .config import DecoderConfig
+
+# The exported function names, in the order the manifest lists them.
+EXPORTED_FUNCTIONS = (
+    "embed",
+    "prefill",
+    "decode",
+    "batch_prefill",
+    "batch_decode",
+    "create_paged_kv_cache",
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, dtype: str):
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_out = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+        # q, k and v share one matmul; the weight converter concatenates the three.
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, qkv_out, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(
+            self.num_q_heads * self.head_dim, config.hidden_size, bias=False, dtype=dtype
+        )
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(
+                self.head_dim, -1, config.rms_norm_eps, bias=False, dtype=dtype
+            )
+            self.k_norm = nn.RMSNorm(
+                self.head_dim, -1, config.rms_norm_eps, bias=False, dtype=dtype
+            )
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        b, s, _ = x.shape
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        qkv = op.reshape(self.qkv_proj(x), (b, s, hq + 2 * hkv, d))
+        if self.q_norm is not None:
+            # Qwen3 normalises each head of q and k before rotary; the cache applies rotary.
+            q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=d**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, hq * d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig, dtype: str):
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=False, dtype=dtype
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, dtype: str):
+        eps = config.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False, dtype=dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = nn.RMSNorm(
+            config.hidden_size, -1, eps, bias=False, dtype=dtype
+        )
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: DecoderConfig, dtype: str):
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, kv_cache, layer_id)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    """The exported model: token embedding, prefill/decode (single and batched), KV cache."""
+
+    def __init__(self, config: DecoderConfig, dtype: str, target: Target):
+        self.config = config
+        self.dtype = dtype
+        self.target = target
+        self.model = DecoderBody(config, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        else:
+            self.lm_head = None
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        if self.lm_head is None:
+            logits = op.matmul(hidden, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            logits = self.lm_head(hidden)
+        # Sampling reads float32 logits whatever the compute dtype.
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: Tensor, kv_cache: PagedKVCache):
+        def last_token(x: te.Tensor):
+            b, s, d = x.shape
+            return te.compute((b, 1, d), lambda i, _, k: x[i, s - 1, k], name="last_token")
+
+        hidden = self.model(input_embed, kv_cache)
+        hidden = op.tensor_expr_op(last_token, name_hint="last_token", args=[hidden])
+        return self._logits(hidden), kv_cache
+
+    def decode(self, input_embed: Tensor, kv_cache: PagedKVCache):
+        return self._logits(self.model(input_embed, kv_cache)), kv_cache
+
+    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache):
+        hidden = self.model(input_embeds, kv_cache)
+        hidden = op.take(hidden, logit_positions, axis=1)
+        return self._logits(hidden), kv_cache
+
+    def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        return self._logits(self.model(input_embeds, kv_cache)), kv_cache
+
+    def create_paged_kv_cache(
+        self,
+        max_batch_size: rx.Var,
+        max_total_seq_len: rx.Var,
+        prefill_chunk_size: rx.Var,
+        page_size: rx.Var,
+        support_sliding_window: rx.Var,
+    ) -> PagedKVCache:
+        c = self.config
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=rx.ShapeExpr([0, c.num_hidden_layers]),
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            rope_scaling=dict(c.rope_scaling or {}),
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=c.head_dim,
+            enable_disaggregation=False,
+            dtype=self.dtype,
+            target=self.target,
+        )
+
+    def get_default_spec(self) -> dict:
+        hidden, dtype = self.config.hidden_size, self.dtype
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        cache = nn.spec.Object(object_type=PagedKVCache)
+        return {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
+            "prefill": {
+                "input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+                "kv_cache": cache,
+                "$": packed,
+            },
+            "decode": {
+                "input_embed": nn.spec.Tensor([1, 1, hidden], dtype),
+                "kv_cache": cache,
+                "$": packed,
+            },
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv_cache": cache,
+                "$": packed,
+            },
+            "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+                "kv_cache": cache,
+                "$": packed,
+            },
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }

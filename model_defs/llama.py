@@ -1,0 +1,27 @@
+"""Llama family: SmolLM2, Llama 2/3/3.1 (llama3 rope scaling) and Mistral-style dense models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import DecoderConfig
+from .decoder import DecoderLM
+from .registry import Architecture
+from .weight_map import dense_decoder_hf_map
+
+
+class LlamaConfig(DecoderConfig):
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
+        # Llama checkpoints may carry q/k/v biases (attention_bias); no per-head q/k norm.
+        return super().from_hf(cfg, qk_norm=False, **overrides)
+
+
+class LlamaForCausalLM(DecoderLM):
+    pass
+
+
+ARCHITECTURES = [
+    Architecture(name, LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map)
+    for name in ("LlamaForCausalLM", "MistralForCausalLM")
+]

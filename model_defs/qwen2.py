@@ -1,0 +1,26 @@
+"""Qwen2 / Qwen2.5: a Llama-shaped decoder whose q, k and v projections carry biases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import DecoderConfig
+from .decoder import DecoderLM
+from .registry import Architecture
+from .weight_map import dense_decoder_hf_map
+
+
+class Qwen2Config(DecoderConfig):
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
+        # Qwen2's config.json does not say so, but its q/k/v projections always have biases.
+        return super().from_hf(cfg, attention_bias=True, qk_norm=False, **overrides)
+
+
+class Qwen2ForCausalLM(DecoderLM):
+    pass
+
+
+ARCHITECTURES = [
+    Architecture("Qwen2ForCausalLM", Qwen2Config.from_hf, Qwen2ForCausalLM, dense_decoder_hf_map)
+]

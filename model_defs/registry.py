@@ -1,0 +1,50 @@
+"""The one place that maps an HF `architectures` name to its model definition."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tvm.relax.frontend import nn
+from tvm.target import Target
+
+from .config import DecoderConfig
+from .weight_map import WeightMap
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the compiler needs to know about one model family."""
+
+    hf_name: str
+    config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
+    build: Callable[[DecoderConfig, str, Target], nn.Module]
+    hf_weight_map: Callable[[DecoderConfig], WeightMap]
+
+
+class UnknownArchitectureError(ValueError):
+    pass
+
+
+def _registry() -> dict[str, Architecture]:
+    from . import llama, qwen2, qwen3
+
+    archs = [*llama.ARCHITECTURES, *qwen2.ARCHITECTURES, *qwen3.ARCHITECTURES]
+    return {a.hf_name: a for a in archs}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_registry())
+
+
+def get_architecture(hf_config: dict[str, Any]) -> Architecture:
+    names = hf_config.get("architectures") or []
+    registry = _registry()
+    for name in names:
+        if name in registry:
+            return registry[name]
+    shown = ", ".join(names) if names else "none given"
+    raise UnknownArchitectureError(
+        f"unsupported architecture ({shown}); supported: {', '.join(sorted(registry))}"
+    )

@@ -1,0 +1,98 @@
+"""Loading an artifact folder with the TVM runtime alone.
+
+Nothing here imports `tvm.relax` or the compiler: a deployed machine needs only
+`libtvm_runtime` (`TVM_USE_RUNTIME_LIB=1` works).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ArtifactError
+from .manifest import Manifest
+from .safetensors_io import SafetensorsError, SafetensorsFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizerBundle:
+    tokenizer: object  # tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos_token: bool
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+
+def load_tokenizer(folder: Path, manifest: Manifest) -> TokenizerBundle:
+    from tokenizers import Tokenizer
+
+    info = manifest.tokenizer
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: tokenizer.json is missing")
+    tokenizer = Tokenizer.from_file(str(path))
+    template = None
+    if info.chat_template:
+        template = (folder / info.chat_template).read_text(encoding="utf-8")
+    return TokenizerBundle(
+        tokenizer=tokenizer,
+        bos_token_id=info.bos_token_id,
+        eos_token_ids=list(info.eos_token_ids),
+        add_bos_token=info.add_bos_token,
+        chat_template=template,
+        bos_token=info.bos_token,
+        eos_token=info.eos_token,
+    )
+
+
+def parse_device(spec: str | None, manifest: Manifest) -> tuple[str, int]:
+    """`cpu`, `cuda:N`, `metal:N`; None picks the artifact's own kind, device 0."""
+    if spec is None:
+        return manifest.target.kind, 0
+    kind, _, index = spec.partition(":")
+    if kind not in ("cpu", "cuda", "metal") or (index and not index.isdigit()):
+        raise ArtifactError(f"bad device {spec!r}; expected cpu, cuda:N or metal:N")
+    if kind != manifest.target.kind:
+        raise ArtifactError(
+            f"artifact built for {manifest.target.kind}; cannot run it on device {spec!r}"
+        )
+    return kind, int(index or 0)
+
+
+def check_artifact_files(folder: Path, manifest: Manifest) -> None:
+    lib = folder / manifest.library
+    if not lib.is_file():
+        raise ArtifactError(f"{folder}: compiled library {manifest.library} is missing")
+    for shard in sorted({p.shard for p in manifest.params}):
+        if not (folder / shard).is_file():
+            raise ArtifactError(f"{folder}: weight shard {shard} is missing")
+
+
+def read_weights(folder: Path, manifest: Manifest) -> list[np.ndarray]:
+    """The parameters in the order the library takes them, as mapped arrays."""
+    files: dict[str, SafetensorsFile] = {}
+    arrays = []
+    for p in manifest.params:
+        try:
+            f = files.get(p.shard) or files.setdefault(p.shard, SafetensorsFile(folder / p.shard))
+            arr = f.get(p.name)
+        except SafetensorsError as e:
+            raise ArtifactError(f"damaged artifact weights: {e}") from e
+        except KeyError as e:
+            raise ArtifactError(f"{folder}: weight {p.name} is missing from {p.shard}") from e
+        if list(arr.shape) != list(p.shape):
+            raise ArtifactError(f"{folder}: weight {p.name} has shape {arr.shape}, not {p.shape}")
+        arrays.append(arr)
+    return arrays
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))

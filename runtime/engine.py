@@ -1,0 +1,439 @@
+"""The serving engine: requests in, incremental outputs out, one batched forward per step.
+
+Threading model. All scheduler/runner state is touched by exactly one thread at a time: the
+step, which the background task runs in a worker thread (`asyncio.to_thread`) so the event
+loop stays free for HTTP while the model runs. Callers on the loop never touch that state;
+`add_request`/`abort` append to a lock-protected inbox that the next step drains, and outputs
+travel back through per-request sinks (`loop.call_soon_threadsafe` into an asyncio.Queue).
+Without a loop, `submit` + `run_step` (or `generate`) drive the same code synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tallow.runtime.detokenizer import IncrementalDetokenizer
+from tallow.runtime.model_runner_protocol import ModelRunner
+from tallow.runtime.request import (
+    CompletionDelta,
+    EngineStats,
+    FinishReason,
+    Request,
+    RequestOutput,
+    SchedulerOutput,
+    TokenLogprob,
+    Usage,
+)
+from tallow.runtime.request import Sequence as Seq
+from tallow.runtime.sampler import Sampler, make_generator
+from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.scheduler import Scheduler, SchedulerConfig
+from tallow.runtime.stop_strings import StopStringMatcher
+
+__all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
+
+
+Sink = Callable[["RequestOutput | BaseException"], None]
+
+
+@dataclass
+class _SeqState:
+    seq: Seq
+    generator: np.random.Generator | None
+    detok: IncrementalDetokenizer | None
+    stop: StopStringMatcher
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    sink: Sink
+    seqs: dict[int, _SeqState] = field(default_factory=dict)  # by completion index
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # fixed at the first sample
+    num_finished: int = 0
+
+
+class _QueueSink:
+    """Hands outputs from the step thread to an asyncio.Queue owned by the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        # A closed loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        tokenizer: Any | None = None,
+        eos_token_ids: Sequence[int] = (),
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.scheduler = Scheduler(runner, scheduler_config)
+        self.sampler = Sampler()
+        self._requests: dict[str, _ReqState] = {}  # step-thread only
+        self._by_seq: dict[int, _SeqState] = {}  # seq_id -> state, step-thread only
+        self._inbox: list[tuple[str, Any]] = []
+        self._inbox_lock = threading.Lock()
+        self._live_ids: set[str] = set()  # guarded by _inbox_lock; rejects duplicate ids
+        self._prompt_tokens = 0
+        self._generated_tokens = 0
+        self._num_steps = 0
+        self._last_latency = 0.0
+        self._total_latency = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._snapshot: EngineStats | None = None
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; outputs go to `sink` from the step thread.
+
+        Raises at once (nothing queued) for invalid parameters or a request that can never
+        fit (`ContextLengthExceededError`).
+        """
+        params.validate(self.runner.vocab_size)
+        if any(not 0 <= int(t) < self.runner.vocab_size for t in prompt_token_ids):
+            raise ValueError("prompt token id outside the vocabulary")
+        self.scheduler.check_request(len(prompt_token_ids), params.max_tokens, params.n)
+        rid = request_id or uuid.uuid4().hex
+        with self._inbox_lock:
+            if rid in self._live_ids:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._live_ids.add(rid)
+            self._inbox.append(("add", (rid, [int(t) for t in prompt_token_ids], params, sink)))
+        self._wake()
+        return rid
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and return its stream of incremental outputs (call from a loop).
+
+        Validation errors raise here, before any output, so a server can answer 400. Closing
+        the iterator early (client gone) aborts the request.
+        """
+        sink = _QueueSink(asyncio.get_running_loop())
+        rid = self.submit(prompt_token_ids, params, sink, request_id)
+        self.start()
+        return self._stream(rid, sink)
+
+    async def _stream(self, rid: str, sink: _QueueSink) -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its final output carries finish_reason "abort". Thread-safe."""
+        with self._inbox_lock:
+            self._inbox.append(("abort", request_id))
+        self._wake()
+
+    # -- background loop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop (idempotent)."""
+        if self._task is not None and not self._task.done():
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._task = self._loop.create_task(self._run_loop())
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the loop."""
+        with self._inbox_lock:
+            ids = list(self._live_ids)
+        for rid in ids:
+            self.abort(rid)
+        if self._task is None:
+            return
+        while self._has_work() and not self._task.done():
+            await asyncio.sleep(0.001)
+        self._stopping = True
+        self._wake()
+        await self._task
+        self._task = None
+
+    def _wake(self) -> None:
+        loop, ev = self._loop, self._wakeup
+        if loop is None or ev is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            ev.set()
+        else:
+            loop.call_soon_threadsafe(ev.set)
+
+    def _has_work(self) -> bool:
+        with self._inbox_lock:
+            if self._inbox:
+                return True
+        return self.scheduler.has_work()
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None
+        while not self._stopping:
+            if not self._has_work():
+                self._wakeup.clear()
+                if not self._has_work():
+                    await self._wakeup.wait()
+                continue
+            try:
+                await asyncio.to_thread(self.run_step)
+            except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
+                self._fail_all(e)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def run_step(self) -> None:
+        """Apply queued adds/aborts, then run one step if anything is schedulable."""
+        self._drain_inbox()
+        if self.scheduler.has_work():
+            t0 = time.perf_counter()
+            self.step()
+            self._last_latency = time.perf_counter() - t0
+            self._total_latency += self._last_latency
+            self._num_steps += 1
+        self._snapshot = self._collect_stats()
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        logits = self.runner.forward(batch.forward_items) if batch.items else None
+        self._postprocess(batch, logits)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "add":
+                self._add(*payload)
+            else:
+                self._abort(payload)
+
+    def _add(self, rid: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        req = Request(rid, prompt, params, self.scheduler.next_arrival_index())
+        seq = self.scheduler.add_request(req)
+        state = _ReqState(request=req, sink=sink)
+        self._requests[rid] = state
+        self._track(state, seq)
+        self._prompt_tokens += len(prompt)
+
+    def _track(self, state: _ReqState, seq: Seq) -> None:
+        p = state.request.params
+        if p.seed is None or seq.index == 0:
+            gen = make_generator(p.seed)
+        else:  # siblings get distinct but reproducible streams
+            gen = np.random.default_rng((p.seed % (1 << 64), seq.index))
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, state.request.prompt_token_ids)
+            if self.tokenizer is not None
+            else None
+        )
+        st = _SeqState(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
+        state.seqs[seq.index] = st
+        self._by_seq[seq.seq_id] = st
+
+    def _abort(self, rid: str) -> None:
+        state = self._requests.get(rid)
+        if state is None:
+            return  # already finished (or never existed): aborting is idempotent
+        deltas = []
+        for seq in self.scheduler.abort_request(rid):
+            deltas.append(CompletionDelta(index=seq.index, finish_reason="abort"))
+            self._by_seq.pop(seq.seq_id, None)
+        # Completions not forked yet (n > 1 aborted before its prefill ended) abort too.
+        n = state.request.params.n
+        deltas += [
+            CompletionDelta(index=i, finish_reason="abort") for i in range(n) if i not in state.seqs
+        ]
+        state.num_finished = n
+        self._emit(state, deltas)
+
+    def _postprocess(self, batch: SchedulerOutput, logits: np.ndarray | None) -> None:
+        rows: list[int] = []
+        states: list[_SeqState] = []
+        for row, item in enumerate(batch.items):
+            if not item.sample:
+                continue  # a prefill chunk short of the prompt's end: its logits are unused
+            seq = item.seq
+            rows.append(row)
+            states.append(self._by_seq[seq.seq_id])
+            if seq.pending_forks:
+                # n > 1: the prompt was prefilled once; the siblings share its KV and sample
+                # their first token from the same logits row.
+                req_state = self._requests[seq.request.request_id]
+                for child in self.scheduler.fork_children(seq):
+                    self._track(req_state, child)
+                    rows.append(row)
+                    states.append(self._by_seq[child.seq_id])
+        if not states:
+            return
+        assert logits is not None
+        params = [st.seq.request.params for st in states]
+        penal = [
+            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
+        ]
+        out = self.sampler.sample(
+            logits[rows],
+            params,
+            [st.generator for st in states],
+            [
+                st.seq.token_ids[: st.seq.prompt_len] if pen else ()
+                for st, pen in zip(states, penal, strict=True)
+            ],
+            [st.seq.output_token_ids if pen else () for st, pen in zip(states, penal, strict=True)],
+        )
+        per_request: dict[str, list[CompletionDelta]] = {}
+        for i, st in enumerate(states):
+            lp = None
+            if out.logprobs[i] is not None:
+                lp = TokenLogprob(int(out.token_ids[i]), out.logprobs[i], out.top_logprobs[i])
+            delta = self._accept(st, int(out.token_ids[i]), lp)
+            per_request.setdefault(st.seq.request.request_id, []).append(delta)
+        for rid, deltas in per_request.items():
+            self._emit(self._requests[rid], deltas)
+
+    def _accept(self, st: _SeqState, token: int, lp: TokenLogprob | None) -> CompletionDelta:
+        """Append a sampled token, run the stop checks, and return what to stream."""
+        seq = st.seq
+        p = seq.request.params
+        state = self._requests[seq.request.request_id]
+        if state.cached_tokens is None:
+            state.cached_tokens = seq.num_cached_tokens
+        seq.token_ids.append(token)
+        state.completion_tokens += 1
+        self._generated_tokens += 1
+        delta = CompletionDelta(index=seq.index, logprobs=[] if p.logprobs else None)
+        reason: FinishReason | None = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token itself is not part of the returned completion
+        else:
+            delta.token_ids.append(token)
+            if delta.logprobs is not None and lp is not None:
+                delta.logprobs.append(lp)
+            text = st.detok.push(token) if st.detok is not None else ""
+            delta.text, matched = st.stop.feed(text)
+            if matched:
+                reason = "stop"
+        if reason is None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if not st.stop.stopped:
+                tail = st.detok.flush() if st.detok is not None else ""
+                delta.text += st.stop.feed(tail)[0] + st.stop.flush()
+            delta.finish_reason = reason
+            self.scheduler.finish(seq, reason)
+            self._by_seq.pop(seq.seq_id, None)
+            state.num_finished += 1
+        return delta
+
+    def _emit(self, state: _ReqState, deltas: list[CompletionDelta]) -> None:
+        req = state.request
+        finished = state.num_finished >= req.params.n
+        usage = Usage(len(req.prompt_token_ids), state.completion_tokens, state.cached_tokens or 0)
+        if finished:
+            self._requests.pop(req.request_id, None)
+            with self._inbox_lock:
+                self._live_ids.discard(req.request_id)
+        state.sink(RequestOutput(req.request_id, deltas, finished, usage))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A step raised: every live request gets the error and its KV is freed."""
+        for rid, state in list(self._requests.items()):
+            # The runner may be in a bad state after the error: free what it lets us free.
+            with contextlib.suppress(Exception):
+                self.scheduler.abort_request(rid)
+            with self._inbox_lock:
+                self._live_ids.discard(rid)
+            state.sink(error)
+        # Whatever could not be aborted cleanly must not be scheduled again without an owner.
+        self._requests.clear()
+        self._by_seq.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+
+    # -- sync convenience and stats ------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[RequestOutput]]:
+        """Run requests to completion without an event loop; returns each one's outputs."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: list[list[RequestOutput]] = [[] for _ in prompts]
+        for prompt, p, sink in zip(prompts, plist, results, strict=True):
+            self.submit(prompt, p, sink.append)
+        while self._has_work():
+            self.run_step()
+        for outs in results:
+            for o in outs:
+                if isinstance(o, BaseException):
+                    raise o
+        return results
+
+    def stats(self) -> EngineStats:
+        """Counters; while the loop runs, as of the end of the last step (never mid-step)."""
+        if self._task is not None and self._snapshot is not None:
+            return self._snapshot
+        return self._collect_stats()
+
+    def _collect_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_preemptions=s.num_preemptions,
+            kv_pages_used=s.kv_pages_used,
+            kv_pages_total=s.kv_pages_total,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+            prompt_tokens=self._prompt_tokens,
+            generated_tokens=self._generated_tokens,
+            num_steps=self._num_steps,
+            last_step_latency_s=self._last_latency,
+            avg_step_latency_s=self._total_latency / self._num_steps if self._num_steps else 0.0,
+        )

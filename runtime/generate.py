@@ -1,0 +1,80 @@
+"""Single-request generation, as `tallow generate` runs it: prefill in chunks, then decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .model_runner import TVMModelRunner
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+
+SEQ_ID = 0
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token comes from prefill; decode rate counts the tokens after it.
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if self.decode_seconds and n > 0 else 0.0
+
+
+def generate_tokens(
+    runner: TVMModelRunner,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids one at a time; fills `stats` as it goes."""
+    stats = stats if stats is not None else GenerationStats()
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) + params.max_tokens > runner.context_window:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"context window of {runner.context_window} tokens"
+        )
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids.update(runner.tokenizer.eos_token_ids)
+    rng = make_generator(params.seed)
+    output: list[int] = []
+    sampler = Sampler()
+    stats.prompt_tokens = len(prompt_ids)
+    runner.add_sequence(SEQ_ID)
+    try:
+        t0 = time.perf_counter()
+        chunk = runner.prefill_chunk_size
+        for start in range(0, len(prompt_ids), chunk):
+            logits = runner.forward([(SEQ_ID, prompt_ids[start : start + chunk])])
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(params.max_tokens):
+            if output:
+                logits = runner.forward([(SEQ_ID, [output[-1]])])
+            out = sampler.sample(logits, [params], [rng], [prompt_ids], [output])
+            token = int(out.token_ids[0])
+            output.append(token)
+            stats.generated_tokens += 1
+            if token in stop_ids:
+                stats.finish_reason = "stop"
+                break
+            yield token
+        else:
+            stats.finish_reason = "length"
+        stats.decode_seconds = time.perf_counter() - t0
+    finally:
+        runner.remove_sequence(SEQ_ID)

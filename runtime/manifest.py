@@ -1,0 +1,127 @@
+"""The artifact manifest: what was compiled, how, and for what.
+
+The compiler writes it; the runtime reads it and needs nothing else to load the artifact
+(the runtime never sees the model's source code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ArtifactError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.yaml"
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    architecture: str
+    source: str  # what the user passed: a folder, a GGUF file or a hub id
+    source_kind: str  # "safetensors" or "gguf"
+    source_files: dict[str, str]  # file name -> sha256
+    config: dict[str, Any]
+
+
+@dataclass
+class KVCacheInfo:
+    page_size: int
+    dtype: str
+    context_window: int
+    layout: str = "paged"
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+@dataclass
+class TargetInfo:
+    kind: str  # "cpu", "cuda", "metal"
+    tvm_target: dict[str, Any]
+    host: dict[str, Any] | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    shape: list[int]
+    dtype: str
+    shard: str
+    quant: str = "none"
+
+
+@dataclass
+class TokenizerInfo:
+    files: list[str]
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos_token: bool
+    chat_template: str | None  # file name inside the artifact, if the model has one
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+@dataclass
+class Manifest:
+    format_version: int
+    tallow_version: str
+    tvm_version: str
+    model: ModelInfo
+    dtype: str
+    quantization: str
+    kv_cache: KVCacheInfo
+    target: TargetInfo
+    library: str
+    functions: list[str]
+    params: list[ParamInfo]
+    tokenizer: TokenizerInfo
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False, allow_unicode=True)
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST_NAME).write_text(self.to_yaml(), encoding="utf-8")
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = Path(folder) / MANIFEST_NAME
+        if not Path(folder).is_dir():
+            raise ArtifactError(f"artifact folder not found: {folder}")
+        if not path.is_file():
+            raise ArtifactError(f"{folder} is not a tallow artifact (no {MANIFEST_NAME})")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ArtifactError(f"{path}: not valid YAML ({e})") from e
+        if not isinstance(raw, dict):
+            raise ArtifactError(f"{path}: not a manifest")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{path}: artifact format version {version!r} is not supported by this tallow "
+                f"(it reads version {FORMAT_VERSION}); recompile the model with this tallow"
+            )
+        try:
+            return cls(
+                format_version=version,
+                tallow_version=raw["tallow_version"],
+                tvm_version=raw["tvm_version"],
+                model=ModelInfo(**raw["model"]),
+                dtype=raw["dtype"],
+                quantization=raw["quantization"],
+                kv_cache=KVCacheInfo(**raw["kv_cache"]),
+                target=TargetInfo(**raw["target"]),
+                library=raw["library"],
+                functions=list(raw["functions"]),
+                params=[ParamInfo(**p) for p in raw["params"]],
+                tokenizer=TokenizerInfo(**raw["tokenizer"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e

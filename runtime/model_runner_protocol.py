@@ -1,0 +1,67 @@
+"""The contract between the engine's Python bookkeeping and whatever runs the model.
+
+The real implementation wraps TVM's paged KV cache (vm.builtin.kv_state_* plus the compiled
+prefill/decode functions); `fake_runner.FakeModelRunner` implements it in numpy for tests.
+Keeping the engine behind this protocol means scheduling, prefix caching and preemption are
+testable without a compiled model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class OutOfPagesError(RuntimeError):
+    """The KV cache was asked for more pages than it has free.
+
+    The scheduler predicts page use so this never happens; a runner raising it means the
+    accounting and the cache disagree, which is a bug rather than a load condition.
+    """
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    page_size: int  # tokens per KV page (16)
+    num_pages: int  # total KV pages in the cache
+    vocab_size: int
+    context_window: int  # max tokens (prompt + output) per sequence
+    max_batch_size: int  # most items one forward() may carry
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Register an empty sequence; holds no pages until tokens are appended."""
+        ...
+
+    def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int) -> None:
+        """Create `child_id` holding the parent's first `fork_pos` tokens of KV.
+
+        Full pages are shared (refcounted, not copied); a partial last page is copied into a
+        fresh page owned by the child, so a fork at a non page-aligned position costs one page.
+        """
+        ...
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence; pages whose refcount falls to zero return to the free pool."""
+        ...
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the last `n` tokens of KV (only tokens on pages the sequence owns alone)."""
+        ...
+
+    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
+        """Append each item's tokens to its sequence's KV and run the model once.
+
+        Prefill chunks and single-token decodes may be mixed. Returns float32 logits of shape
+        [len(items), vocab_size] for the last token of each item, in item order.
+        """
+        ...
+
+    def num_free_pages(self) -> int:
+        """Pages not referenced by any sequence."""
+        ...
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages a sequence of `num_tokens` tokens occupies (ceil division)."""
+    return -(-num_tokens // page_size)

@@ -1,0 +1,163 @@
+"""Requests and the sequences the scheduler moves between queues.
+
+A `Request` is what a client asked for; it owns `n` `Sequence`s (one per completion). A
+sequence's `token_ids` is prompt + generated so far and `num_computed_tokens` counts how many
+of those already have KV in the cache. Everything the scheduler does is phrased in those two
+numbers: the tokens to feed next are `token_ids[num_computed_tokens:]` (the whole prompt at
+first, one sampled token when decoding, everything again after a recompute preemption).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tallow.runtime.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV
+    RUNNING = "running"  # holds KV; prefilling in chunks or decoding
+    PREEMPTED = "preempted"  # KV freed under memory pressure; back in the waiting queue
+    FINISHED = "finished"
+
+
+class ContextLengthExceededError(ValueError):
+    """The request can never be served: too long for the context window or the whole cache.
+
+    The server maps this to HTTP 400 with code `context_length_exceeded`.
+    """
+
+    code = "context_length_exceeded"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int  # FCFS order; also decides who is "newest" when preempting
+
+
+@dataclass
+class Sequence:
+    seq_id: int  # the id under which the runner's KV cache knows this sequence
+    request: Request
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    # Children still to fork once the prompt is prefilled (n > 1 on the first sequence only).
+    pending_forks: int = 0
+    # Prefix-cache entry this sequence forked from; referenced until its KV is released.
+    prefix_entry: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
+    num_preemptions: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token to feed: a (re)prefill rather than a decode."""
+        return self.num_pending_tokens > 1
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Sort key for FCFS; the largest key is the newest."""
+        return (self.request.arrival_index, self.index)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledItem:
+    seq: Sequence
+    token_ids: list[int]  # the tokens fed this step
+    sample: bool  # the chunk ends at the last known token, so its logits give the next one
+
+
+@dataclass
+class SchedulerOutput:
+    items: list[ScheduledItem] = field(default_factory=list)
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    new_pages: int = 0  # pages the runner will allocate while running this batch
+
+    @property
+    def forward_items(self) -> list[tuple[int, list[int]]]:
+        return [(it.seq.seq_id, it.token_ids) for it in self.items]
+
+    @property
+    def empty(self) -> bool:
+        return not self.items
+
+
+# -- what the engine streams back (consumed by the server and the CLI) -----------------------
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class CompletionDelta:
+    """What one of a request's n completions produced since the previous output."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionDelta]  # only the completions that changed this step
+    finished: bool  # every completion has a finish_reason
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (for /metrics and logs)."""
+
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    num_steps: int
+    last_step_latency_s: float
+    avg_step_latency_s: float

@@ -1,0 +1,64 @@
+"""What a request asks of the sampler; shared by `tallow generate`, the engine and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter outside its valid range; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(name: str, why: str) -> SamplingParamsError:
+            return SamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be between 0 and 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be positive")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be between -2 and 2")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be between -2 and 2")
+        if not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", "must be between 0 and 20")
+        if self.n < 1:
+            raise bad("n", "must be at least 1")
+        if vocab_size is not None:
+            for tid in [*self.logit_bias, *self.stop_token_ids]:
+                if not 0 <= int(tid) < vocab_size:
+                    raise SamplingParamsError(
+                        f"token id {tid} is outside the vocabulary (size {vocab_size})"
+                    )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

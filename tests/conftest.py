@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models written once per session, and their compiled artifacts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(name) -> a folder with config.json, safetensors and a tokenizer."""
+    made: dict[tuple[str, bool], Path] = {}
+
+    def get(name: str, sharded: bool = False) -> Path:
+        key = (name, sharded)
+        if key not in made:
+            base = tmp_path_factory.mktemp(f"{name}-src")
+            made[key] = make_model(base / name, name, sharded=sharded)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_model_dir, tmp_path_factory):
+    """tiny_artifact(name, dtype) -> a compiled artifact folder (compiled once per session)."""
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, dtype: str = "f32") -> Path:
+        key = (name, dtype)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{name}-{dtype}-art")
+            built[key] = compile_model(
+                CompileOptions(model=str(tiny_model_dir(name)), dtype=dtype, output=out, quiet=True)
+            )
+        return built[key]
+
+    return get

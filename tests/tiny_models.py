@@ -1,0 +1,121 @@
+"""Tiny random-weight Hugging Face models that the tests create (no hub access needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = (
+    "The capital of France is Paris. The quick brown fox jumps over the lazy dog. "
+    "Héllo wörld, ça va? 東京は日本の首都です。 def f(x):\n    return x * 2\n"
+    "Numbers 0123456789 and symbols !@#$%^&*() are tokens too. "
+) * 20
+
+BASE = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+}
+
+# One entry per feature the issue names: GQA, tied/untied, qkv bias, q/k norm,
+# llama3 rope scaling, head_dim != hidden/heads.
+CONFIGS = {
+    "llama": {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "qwen2": {
+        **BASE,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+    },
+    "qwen3": {
+        **BASE,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_key_value_heads": 1,
+        "rope_theta": 1000000.0,
+    },
+}
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 8,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": (
+                    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
+                ),
+            }
+        )
+    )
+
+
+def make_model(folder: Path, name: str, seed: int = 0, sharded: bool = False) -> Path:
+    """Write config.json, safetensors weights and a tokenizer for CONFIGS[name]."""
+    import torch
+    import transformers
+
+    cfg = dict(CONFIGS[name])
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = transformers.AutoConfig.for_model(
+        cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights make logit differences visible
+            p.normal_(0, 0.2)
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size="100KB" if sharded else "1GB")
+    make_tokenizer(folder, cfg["vocab_size"])
+    return folder
+
+
+def load_hf(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
