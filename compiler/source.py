@@ -106,6 +106,8 @@ def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
 
         spec = str(default_model_path())
     path = Path(spec).expanduser()
+    if gguf_file is not None:
+        return _named_gguf(spec, path, gguf_file)
     if path.is_file():
         if path.suffix == ".gguf":
             from .gguf_source import gguf_source
@@ -123,6 +125,31 @@ def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
     return _folder_source(spec, path)
 
 
+def _named_gguf(spec: str, path: Path, gguf_file: str) -> ModelSource:
+    """`--model FOLDER_OR_HUB_ID --file NAME.gguf`."""
+    from .gguf_source import gguf_source
+
+    if path.is_dir():
+        target = path / gguf_file
+        if not target.is_file():
+            raise ModelSourceError(f"{target}: no such GGUF file")
+        return gguf_source(spec, target)
+    if not _looks_like_hub_id(spec):
+        raise ModelSourceError(f"--file needs a folder or a hub id; {spec} is neither")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        local = Path(hf_hub_download(spec, gguf_file))
+    except LocalEntryNotFoundError as e:
+        raise ModelSourceError(
+            f"{spec}/{gguf_file} is not in the local Hugging Face cache and cannot be downloaded"
+        ) from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot fetch {spec}/{gguf_file}: {e}") from e
+    return gguf_source(spec, local)
+
+
 def _pickle_error(path: Path) -> ModelSourceError:
     return ModelSourceError(
         f"{path}: PyTorch pickle checkpoints are refused, because loading a pickle can run "
@@ -134,8 +161,13 @@ def _folder_source(spec: str, folder: Path) -> ModelSource:
     ggufs = sorted(folder.glob("*.gguf"))
     config_path = folder / "config.json"
     if ggufs and not config_path.is_file():
-        from .gguf_source import gguf_source
+        from .gguf_source import SPLIT_RE, gguf_source
 
+        models = sorted({SPLIT_RE.sub(r"\g<stem>", p.name) for p in ggufs})
+        if len(models) > 1:
+            raise ModelSourceError(
+                f"{folder} holds several GGUF models ({', '.join(models)}); choose one with --file"
+            )
         return gguf_source(spec, ggufs[0])
     if not config_path.is_file():
         raise ModelSourceError(f"{folder}: no config.json (not a Hugging Face model folder)")

@@ -7,7 +7,11 @@ from typing import Any
 from .config import DecoderConfig
 from .decoder import DecoderLM
 from .registry import Architecture
-from .weight_map import dense_decoder_hf_map
+from .weight_map import (
+    DENSE_DECODER_GGUF_CONFIG,
+    dense_decoder_gguf_map,
+    dense_decoder_hf_map,
+)
 
 
 class LlamaConfig(DecoderConfig):
@@ -22,6 +26,15 @@ class LlamaForCausalLM(DecoderLM):
 
 
 ARCHITECTURES = [
-    Architecture(name, LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map)
-    for name in ("LlamaForCausalLM", "MistralForCausalLM")
+    Architecture(
+        "LlamaForCausalLM",
+        LlamaConfig.from_hf,
+        LlamaForCausalLM,
+        dense_decoder_hf_map,
+        gguf_arch="llama",
+        gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
+        gguf_weight_map=dense_decoder_gguf_map,
+        gguf_permute_qk=True,
+    ),
+    Architecture("MistralForCausalLM", LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map),
 ]

@@ -7,7 +7,11 @@ from typing import Any
 from .config import DecoderConfig
 from .decoder import DecoderLM
 from .registry import Architecture
-from .weight_map import dense_decoder_hf_map
+from .weight_map import (
+    DENSE_DECODER_GGUF_CONFIG,
+    dense_decoder_gguf_map,
+    dense_decoder_hf_map,
+)
 
 
 class Qwen2Config(DecoderConfig):
@@ -22,5 +26,13 @@ class Qwen2ForCausalLM(DecoderLM):
 
 
 ARCHITECTURES = [
-    Architecture("Qwen2ForCausalLM", Qwen2Config.from_hf, Qwen2ForCausalLM, dense_decoder_hf_map)
+    Architecture(
+        "Qwen2ForCausalLM",
+        Qwen2Config.from_hf,
+        Qwen2ForCausalLM,
+        dense_decoder_hf_map,
+        gguf_arch="qwen2",
+        gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
+        gguf_weight_map=dense_decoder_gguf_map,
+    )
 ]

@@ -7,7 +7,11 @@ from typing import Any
 from .config import DecoderConfig
 from .decoder import DecoderLM
 from .registry import Architecture
-from .weight_map import dense_decoder_hf_map
+from .weight_map import (
+    DENSE_DECODER_GGUF_CONFIG,
+    dense_decoder_gguf_map,
+    dense_decoder_hf_map,
+)
 
 
 class Qwen3Config(DecoderConfig):
@@ -21,5 +25,13 @@ class Qwen3ForCausalLM(DecoderLM):
 
 
 ARCHITECTURES = [
-    Architecture("Qwen3ForCausalLM", Qwen3Config.from_hf, Qwen3ForCausalLM, dense_decoder_hf_map)
+    Architecture(
+        "Qwen3ForCausalLM",
+        Qwen3Config.from_hf,
+        Qwen3ForCausalLM,
+        dense_decoder_hf_map,
+        gguf_arch="qwen3",
+        gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
+        gguf_weight_map=dense_decoder_gguf_map,
+    )
 ]

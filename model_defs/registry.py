@@ -21,6 +21,12 @@ class Architecture:
     config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
     build: Callable[[DecoderConfig, str, Target], nn.Module]
     hf_weight_map: Callable[[DecoderConfig], WeightMap]
+    # GGUF: llama.cpp's architecture name, its metadata -> config.json table, tensor names,
+    # and whether llama.cpp's converter permuted the q/k rows (it does for "llama" only).
+    gguf_arch: str | None = None
+    gguf_config_keys: dict[str, str] | None = None
+    gguf_weight_map: Callable[[DecoderConfig], WeightMap] | None = None
+    gguf_permute_qk: bool = False
 
 
 class UnknownArchitectureError(ValueError):
@@ -36,6 +42,15 @@ def _registry() -> dict[str, Architecture]:
 
 def supported_architectures() -> list[str]:
     return sorted(_registry())
+
+
+def get_gguf_architecture(gguf_arch: str) -> Architecture:
+    by_gguf = {a.gguf_arch: a for a in _registry().values() if a.gguf_arch}
+    if gguf_arch not in by_gguf:
+        raise UnknownArchitectureError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(sorted(by_gguf))}"
+        )
+    return by_gguf[gguf_arch]
 
 
 def get_architecture(hf_config: dict[str, Any]) -> Architecture:

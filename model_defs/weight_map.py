@@ -32,3 +32,41 @@ def dense_decoder_hf_map(config: DecoderConfig) -> WeightMap:
     if not config.tie_word_embeddings:
         m["lm_head.weight"] = ["lm_head.weight"]
     return m
+
+
+def dense_decoder_gguf_map(config: DecoderConfig) -> WeightMap:
+    """llama.cpp's GGUF tensor names for the same dense decoder."""
+    m: WeightMap = {"model.embed_tokens.weight": ["token_embd.weight"]}
+    for i in range(config.num_hidden_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        attn = f"{p}.self_attn"
+        m[f"{attn}.qkv_proj.weight"] = [f"{b}.attn_{x}.weight" for x in "qkv"]
+        if config.attention_bias:
+            m[f"{attn}.qkv_proj.bias"] = [f"{b}.attn_{x}.bias" for x in "qkv"]
+        if config.qk_norm:
+            m[f"{attn}.q_norm.weight"] = [f"{b}.attn_q_norm.weight"]
+            m[f"{attn}.k_norm.weight"] = [f"{b}.attn_k_norm.weight"]
+        m[f"{attn}.o_proj.weight"] = [f"{b}.attn_output.weight"]
+        m[f"{p}.mlp.gate_up_proj.weight"] = [f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"]
+        m[f"{p}.mlp.down_proj.weight"] = [f"{b}.ffn_down.weight"]
+        m[f"{p}.input_layernorm.weight"] = [f"{b}.attn_norm.weight"]
+        m[f"{p}.post_attention_layernorm.weight"] = [f"{b}.ffn_norm.weight"]
+    m["model.norm.weight"] = ["output_norm.weight"]
+    if not config.tie_word_embeddings:
+        m["lm_head.weight"] = ["output.weight"]
+    return m
+
+
+# GGUF metadata key (after the "<arch>." prefix) -> HF config.json field, for dense decoders.
+DENSE_DECODER_GGUF_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}

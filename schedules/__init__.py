@@ -1,11 +1,19 @@
-"""Per-target TensorIR schedules, applied after the Relax pipeline has lowered to TIR."""
+"""Per-target TensorIR schedules, applied once the Relax pipeline has fused the kernels."""
 
 from __future__ import annotations
 
 
-def schedule_pass_for(spec):
-    """The module pass that schedules every TIR function for `spec`'s target."""
+def schedule_pass_for(spec, target):
+    """A module pass that schedules every TIR kernel for `spec`'s target."""
+    import tvm
+
     from . import cpu
 
-    passes = {"cpu": cpu.schedule_module}
-    return passes[spec.kind]
+    rules = {"cpu": cpu.schedule_module}
+    schedule = rules[spec.kind]
+
+    @tvm.transform.module_pass(opt_level=0, name=f"tallow.schedules.{spec.kind}")
+    def _pass(mod, _ctx):
+        return schedule(mod, target)
+
+    return _pass

@@ -42,6 +42,14 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     },
+    # GGUF has no llama3 rope-scaling fields (llama.cpp stores a rope_freqs tensor instead).
+    "llama_plain": {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "rope_theta": 100000.0,
+    },
     "qwen2": {
         **BASE,
         "architectures": ["Qwen2ForCausalLM"],

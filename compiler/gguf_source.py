@@ -1,0 +1,209 @@
+"""GGUF files as a model source: metadata → config, tensors → parameters, tokenizer.
+
+A GGUF model is one file or a split set (`name-00001-of-00003.gguf` …). Everything is
+checked when the source is opened (architecture, tensor types, missing shards), so a bad
+file fails before any compile work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tallow.model_defs.registry import (
+    Architecture,
+    UnknownArchitectureError,
+    get_gguf_architecture,
+)
+from tallow.runtime.errors import ModelSourceError
+from tallow.runtime.manifest import TokenizerInfo
+
+from .source import ModelSource
+
+SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+def _supported_types() -> set:
+    q = _gguf().GGMLQuantizationType
+    return {
+        q.F32, q.F16, q.BF16, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q8_0,
+        q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
+    }  # fmt: skip
+
+
+def split_files(path: Path) -> list[Path]:
+    """All shards of a split GGUF set (in order), or just `path`."""
+    m = SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    files = [path.parent / f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelSourceError(f"split GGUF set {m['stem']} is incomplete: missing {missing}")
+    return files
+
+
+def _open_reader(path: Path):
+    try:
+        return _gguf().GGUFReader(path)
+    except Exception as e:  # the gguf reader raises ValueError/IndexError/struct errors
+        raise ModelSourceError(
+            f"{path}: not a readable GGUF file (truncated or corrupt: {e})"
+        ) from e
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+class GGUFCheckpoint:
+    """Tensors of a GGUF set by name, dequantized to float32 on read."""
+
+    def __init__(self, readers: list, arch: Architecture, n_head: int, n_head_kv: int):
+        self._tensors = {t.name: t for r in readers for t in r.tensors}
+        self._permute = arch.gguf_permute_qk
+        self._heads = {"attn_q": n_head, "attn_k": n_head_kv}
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def get(self, name: str) -> np.ndarray:
+        t = self._tensors[name]
+        arr = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        kind = name.split(".")[-2] if name.count(".") >= 2 else ""
+        if self._permute and kind in self._heads and name.endswith(".weight"):
+            arr = unpermute_rows(arr, self._heads[kind])
+        return arr
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order for the llama architecture.
+
+    HF checkpoints rotate pairs (i, i + d/2) of each head; llama.cpp's converter interleaves
+    them as (2i, 2i + 1) for its rope kernel. Our cache uses HF's rotate-half convention.
+    """
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class GGUFModelSource(ModelSource):
+    files: list[Path] = field(default_factory=list)
+    architecture: Architecture | None = None
+    readers: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        stem = self.files[0].name
+        m = SPLIT_RE.match(stem)
+        base = m["stem"] if m else self.files[0].stem
+        return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
+
+    def input_files(self) -> list[Path]:
+        return list(self.files)
+
+    def open_checkpoint(self) -> GGUFCheckpoint:
+        cfg = self.config
+        heads = int(cfg["num_attention_heads"])
+        return GGUFCheckpoint(
+            self.readers, self.architecture, heads, int(cfg.get("num_key_value_heads", heads))
+        )
+
+    def weight_map(self, architecture, config) -> dict[str, list[str]]:
+        return architecture.gguf_weight_map(config)
+
+    def write_tokenizer(self, out: Path) -> TokenizerInfo:
+        from .gguf_tokenizer import tokenizer_from_gguf
+
+        try:
+            tok = tokenizer_from_gguf(self.readers[0])
+        except ValueError as e:
+            raise ModelSourceError(f"{self.files[0]}: {e}") from e
+        tok.save(out)
+        if tok.chat_template:
+            (out / CHAT_TEMPLATE_FILE).write_text(tok.chat_template, encoding="utf-8")
+        eos = sorted({i for i in (tok.eos_token_id, tok.eot_token_id) if i is not None})
+        token = tok.tokenizer.id_to_token
+        return TokenizerInfo(
+            files=["tokenizer.json", "tokenizer_config.json"],
+            bos_token_id=tok.bos_token_id,
+            eos_token_ids=eos,
+            add_bos_token=tok.add_bos_token,
+            chat_template=CHAT_TEMPLATE_FILE if tok.chat_template else None,
+            bos_token=token(tok.bos_token_id) if tok.bos_token_id is not None else None,
+            eos_token=token(tok.eos_token_id) if tok.eos_token_id is not None else None,
+        )
+
+
+def gguf_config(reader, arch: Architecture, tensor_names: set[str]) -> dict:
+    """An HF-style config.json dict from GGUF metadata, via the architecture's key table."""
+    prefix = arch.gguf_arch
+    cfg: dict = {"architectures": [arch.hf_name]}
+    for key, hf_key in (arch.gguf_config_keys or {}).items():
+        value = _field(reader, f"{prefix}.{key}")
+        if value is not None:
+            cfg[hf_key] = value
+    if "vocab_size" not in cfg:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            cfg["vocab_size"] = len(tokens.data)
+    scaling = _field(reader, f"{prefix}.rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
+        kind = scaling or "per-dimension rope_freqs (llama3-style)"
+        raise ModelSourceError(f"GGUF rope scaling {kind!r} is not supported yet")
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[hf_key] = int(value)
+    return cfg
+
+
+def gguf_source(spec: str, path: Path) -> GGUFModelSource:
+    files = split_files(path)
+    readers = [_open_reader(f) for f in files]
+    arch_name = _field(readers[0], "general.architecture")
+    if arch_name is None:
+        raise ModelSourceError(f"{path}: GGUF metadata has no general.architecture")
+    try:
+        arch = get_gguf_architecture(str(arch_name))
+    except UnknownArchitectureError as e:
+        raise ModelSourceError(f"{path}: {e}") from e
+    supported = _supported_types()
+    for r in readers:
+        for t in r.tensors:
+            if t.tensor_type not in supported:
+                raise ModelSourceError(
+                    f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which tallow "
+                    f"cannot read; supported: {', '.join(sorted(s.name for s in supported))}"
+                )
+    names = {t.name for r in readers for t in r.tensors}
+    config = gguf_config(readers[0], arch, names)
+    return GGUFModelSource(
+        spec=spec,
+        kind="gguf",
+        folder=path.parent,
+        config=config,
+        weight_files=files,
+        gguf_file=files[0],
+        files=files,
+        architecture=arch,
+        readers=readers,
+    )

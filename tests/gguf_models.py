@@ -1,0 +1,106 @@
+"""Writing tiny GGUF files from the tiny HF models, the way llama.cpp's converter lays them out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF:
+        return HF_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf q/k row permutation for the llama architecture
+    (its documented formula: reshape(n_head, 2, rows/n_head/2, ...) then swap axes 1, 2)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    arch: str,
+    *,
+    permute_qk: bool = False,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    split_max_tensors: int = 0,
+) -> Path:
+    """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    weights = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(f))
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    writer.add_rope_freq_base(theta)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg["vocab_size"])
+    # tokenizer: the byte-level BPE of the tiny model, padded to the model's vocab size
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    tokens += [f"[PAD{i}]" for i in range(cfg["vocab_size"] - len(tokens))]
+    types = [gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_add_bos_token(False)
+    for name, arr in weights.items():
+        arr = np.ascontiguousarray(arr.astype(np.float32))
+        if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            arr = llama_cpp_permute(arr, heads)
+        writer.add_tensor(gguf_name(name), arr)
+    for name, arr in (extra_tensors or {}).items():
+        writer.add_tensor(name, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
