@@ -1,0 +1,78 @@
+"""Engine throughput on one artifact: aggregate generated tok/s at several concurrency levels,
+and the per-step host overhead outside the compiled functions.
+
+    .venv/bin/python benchmarks/engine_throughput.py artifacts/smollm2-135m-instruct.q4_1-f32-cpu
+
+Prints one table; the ratio column is aggregate throughput over single-request throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from tallow.runtime.engine_factory import EngineOptions, build_engine
+from tallow.runtime.sampling_params import SamplingParams
+
+
+def run(artifact: str, concurrency: int, max_tokens: int, prompt_len: int) -> dict:
+    engine = build_engine(artifact, EngineOptions(max_num_seqs=max(concurrency, 1)))
+    runner = engine.runner
+    forward_time = [0.0]
+    real_forward = runner.forward
+
+    def timed_forward(items):
+        t = time.perf_counter()
+        try:
+            return real_forward(items)
+        finally:
+            forward_time[0] += time.perf_counter() - t
+
+    runner.forward = timed_forward
+    rng = np.random.default_rng(0)
+    prompts = [
+        [int(t) for t in rng.integers(100, 20000, size=prompt_len)] for _ in range(concurrency)
+    ]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.submit(p, params, lambda _o: None)
+    # prefill everything first, so the timed part is steady-state decoding
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.run_step()
+    forward_time[0] = 0.0
+    steps0, gen0 = engine.stats().num_steps, engine.stats().generated_tokens
+    t0 = time.perf_counter()
+    while engine._has_work():
+        engine.run_step()
+    wall = time.perf_counter() - t0
+    st = engine.stats()
+    steps, generated = st.num_steps - steps0, st.generated_tokens - gen0
+    return {
+        "concurrency": concurrency,
+        "tok_s": generated / wall,
+        "overhead_ms": (wall - forward_time[0]) / max(steps, 1) * 1e3,
+        "step_ms": wall / max(steps, 1) * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("artifact")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    args = ap.parse_args()
+    rows = [run(args.artifact, c, args.max_tokens, args.prompt_len) for c in args.concurrency]
+    base = rows[0]["tok_s"]
+    print(f"{'concurrent':>10} {'tok/s':>9} {'ratio':>6} {'step ms':>8} {'host ms/step':>13}")
+    for r in rows:
+        print(
+            f"{r['concurrency']:>10} {r['tok_s']:>9.1f} {r['tok_s'] / base:>6.2f} "
+            f"{r['step_ms']:>8.2f} {r['overhead_ms']:>13.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

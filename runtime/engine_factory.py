@@ -1,0 +1,143 @@
+"""Building an `Engine` for an artifact: KV-cache budget → page count, scheduler limits.
+
+The KV budget is `kv_cache_mem_mb` when given; otherwise a fraction of the memory left
+after the weights (GPU: free device memory; CPU: available RAM). It is never more than
+`max_num_seqs` full context windows, since more could not be used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import Engine
+from .errors import TallowError
+from .manifest import Manifest
+from .model_runner import KVCacheConfig, TVMModelRunner
+from .scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class EngineOptions:
+    device: str | None = None
+    max_num_seqs: int = 16
+    prefill_chunk_size: int = 512
+    max_num_batched_tokens: int | None = None  # default: prefill_chunk_size
+    kv_cache_mem_mb: float | None = None
+    memory_fraction: float | None = None  # GPU: of free device memory; CPU: of available RAM
+    prefix_cache: bool = True
+    prefix_cache_max_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    bytes_per_token: int
+    total_tokens: int
+    budget_bytes: int
+
+
+def kv_bytes_per_token(manifest: Manifest) -> int:
+    kv = manifest.kv_cache
+    return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _free_memory(manifest: Manifest, options: EngineOptions) -> int:
+    """Memory the weights and the KV cache can share: available RAM, or the GPU's total."""
+    if manifest.target.kind == "cpu":
+        return _available_ram()
+    import tvm
+
+    index = int((options.device or "x:0").partition(":")[2] or 0)
+    dev = tvm.runtime.device(manifest.target.kind, index)
+    if not dev.exist:
+        raise TallowError(f"no {manifest.target.kind} device {index} found")
+    return int(dev.total_global_memory)
+
+
+def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int) -> KVPlan:
+    per_token = kv_bytes_per_token(manifest)
+    wanted = options.max_num_seqs * manifest.kv_cache.context_window
+    if options.kv_cache_mem_mb is not None:
+        if options.kv_cache_mem_mb <= 0:
+            raise TallowError(f"--kv-cache-mem must be positive (got {options.kv_cache_mem_mb})")
+        budget = int(options.kv_cache_mem_mb * 2**20)
+    else:
+        fraction = options.memory_fraction
+        if fraction is None:
+            fraction = 0.9 if manifest.target.kind != "cpu" else 0.25
+        if not 0 < fraction <= 1:
+            raise TallowError(f"--gpu-memory-fraction must be in (0, 1] (got {fraction})")
+        budget = int(fraction * max(0, _free_memory(manifest, options) - weight_bytes))
+    tokens = min(budget // per_token, wanted)
+    page = manifest.kv_cache.page_size
+    tokens = tokens // page * page
+    if tokens < page:
+        raise TallowError(
+            f"the KV cache budget ({budget / 2**20:.1f} MB) holds less than one page of "
+            f"{page} tokens ({per_token * page / 2**20:.2f} MB); raise --kv-cache-mem"
+        )
+    return KVPlan(per_token, tokens, budget)
+
+
+def build_engine(folder: str | Path, options: EngineOptions | None = None) -> Engine:
+    options = options or EngineOptions()
+    manifest = Manifest.read(Path(folder))
+    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * _prod(p.shape) for p in manifest.params)
+    plan = plan_kv_cache(manifest, options, weight_bytes)
+    chunk = options.prefill_chunk_size
+    # Prefix-cache entries are live sequences in the KV cache too.
+    page = manifest.kv_cache.page_size
+    entries = options.prefix_cache_max_tokens // page if options.prefix_cache else 0
+    runner = TVMModelRunner(
+        folder,
+        device=options.device,
+        kv=KVCacheConfig(
+            max_batch_size=options.max_num_seqs + entries,
+            max_total_tokens=plan.total_tokens,
+            prefill_chunk_size=chunk,
+        ),
+    )
+    runner.max_batch_size = options.max_num_seqs
+    log.warning(
+        "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
+        runner.num_pages,
+        runner.page_size,
+        runner.num_pages * runner.page_size,
+        plan.total_tokens * plan.bytes_per_token / 2**20,
+        plan.bytes_per_token,
+    )
+    config = SchedulerConfig(
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens or chunk,
+        prefill_chunk_size=chunk,
+        enable_prefix_cache=options.prefix_cache,
+        prefix_cache_max_tokens=options.prefix_cache_max_tokens,
+    )
+    tok = runner.tokenizer
+    return Engine(
+        runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
+    )
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

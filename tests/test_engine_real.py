@@ -1,0 +1,154 @@
+"""The engine over a real compiled model (tiny random Qwen3, and SmolLM2 where installed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tallow.runtime.engine_factory import EngineOptions, build_engine
+from tallow.runtime.sampler import log_softmax
+from tallow.runtime.sampling_params import SamplingParams
+
+from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+RNG = np.random.default_rng(7)
+PROMPTS = [[int(t) for t in RNG.integers(3, 300, size=n)] for n in (3, 9, 17, 30, 41, 5, 64, 12)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def collect(outputs) -> dict:
+    """Token ids, text, finish reasons and logprobs per completion index."""
+    result: dict[int, dict] = {}
+    for out in outputs:
+        for d in out.outputs:
+            r = result.setdefault(d.index, {"ids": [], "text": "", "finish": None, "lp": []})
+            r["ids"] += d.token_ids
+            r["text"] += d.text
+            r["lp"] += d.logprobs or []
+            r["finish"] = d.finish_reason or r["finish"]
+    return result
+
+
+def run_alone(artifact, prompt, params, **opts):
+    engine = build_engine(artifact, EngineOptions(**opts))
+    return collect(engine.generate([prompt], params)[0])[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_artifact):
+    return tiny_artifact("qwen3", "f32")
+
+
+def test_concurrent_requests_equal_alone(qwen3):
+    alone = [run_alone(qwen3, p, GREEDY)["ids"] for p in PROMPTS]
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=8, prefill_chunk_size=32))
+
+    async def run_all():
+        engine.start()
+
+        async def one(p):
+            return [o async for o in engine.add_request(p, GREEDY)]
+
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await engine.shutdown()
+
+    together = [collect(outs)[0]["ids"] for outs in asyncio.run(run_all())]
+    assert together == alone
+    assert engine.stats().num_preemptions == 0
+
+
+def test_preemption_keeps_outputs(qwen3):
+    alone = [run_alone(qwen3, p, GREEDY)["ids"] for p in PROMPTS[:6]]
+    # 512 bytes/token for this model: 0.05 MB holds ~100 tokens, far less than 6 sequences need
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=6, kv_cache_mem_mb=0.05))
+    free0 = engine.runner.num_free_pages()
+    results = engine.generate(PROMPTS[:6], GREEDY)
+    assert engine.stats().num_preemptions > 0
+    assert [collect(r)[0]["ids"] for r in results] == alone
+    assert engine.runner.num_free_pages() + engine.stats().kv_pages_used >= free0
+
+
+def test_prefix_cache_hits_and_outputs_unchanged(qwen3):
+    system = [int(t) for t in RNG.integers(3, 300, size=48)]
+    prompts = [system + [5, 6, 7], system + [9, 10], system + [11]]
+    alone = [run_alone(qwen3, p, GREEDY, prefix_cache=False)["ids"] for p in prompts]
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=4))
+    got = [collect(engine.generate([p], GREEDY)[0])[0]["ids"] for p in prompts]
+    assert got == alone
+    assert engine.stats().prefix_cache_hit_tokens >= 2 * 48 - 2 * 16
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_pages(qwen3):
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=4, prefix_cache=False))
+    start = engine.runner.num_free_pages()
+    long_prompt = [int(t) for t in RNG.integers(3, 300, size=100)]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    sink: list = []
+    rid_prefill = engine.submit(long_prompt, params, sink.append)
+    rid_decode = engine.submit(PROMPTS[0], params, sink.append)
+    engine.scheduler.config.prefill_chunk_size = 16  # make the long prefill take several steps
+    for _ in range(3):
+        engine.run_step()
+    assert engine.runner.num_free_pages() < start
+    engine.abort(rid_prefill)
+    engine.abort(rid_decode)
+    while engine._has_work():
+        engine.run_step()
+    assert engine.runner.num_free_pages() == start
+    reasons = {d.finish_reason for o in sink if not isinstance(o, BaseException) for d in o.outputs}
+    assert "abort" in reasons
+
+
+def test_seeded_sampling_independent_of_companions(qwen3):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = run_alone(qwen3, PROMPTS[2], params)["ids"]
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=8))
+    noisy = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    results = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]], [noisy, params, noisy])
+    assert collect(results[1])[0]["ids"] == alone
+
+
+def test_logprobs_are_log_softmax_of_model_logits(qwen3):
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=3)
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=2, prefix_cache=False))
+    out = collect(engine.generate([PROMPTS[3]], params)[0])[0]
+    runner = engine.runner
+    runner.add_sequence(999)
+    logits = runner.forward([(999, PROMPTS[3])])
+    runner.remove_sequence(999)
+    ref = log_softmax(logits.astype(np.float64))[0]
+    lp = out["lp"][0]
+    assert lp.token_id == int(np.argmax(ref))
+    assert abs(lp.logprob - ref[lp.token_id]) < 1e-4
+    top = [t for t, _ in lp.top_logprobs]
+    assert top == [int(i) for i in np.argsort(-ref)[:3]]
+
+
+def test_n_greater_than_one_shares_the_prompt(qwen3):
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=3, ignore_eos=True)
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=4, prefix_cache=False))
+    out = collect(engine.generate([PROMPTS[6]], params)[0])
+    assert sorted(out) == [0, 1, 2] and all(len(r["ids"]) == 8 for r in out.values())
+    assert engine.stats().prompt_tokens == len(PROMPTS[6])  # prefilled once, then forked
+
+
+def test_stop_string_across_tokens_smollm2(smollm2_gguf, tmp_path_factory):  # noqa: F811
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+
+    art = compile_model(
+        CompileOptions(model=str(smollm2_gguf), output=tmp_path_factory.mktemp("s"), quiet=True)
+    )
+    engine = build_engine(art, EngineOptions(max_num_seqs=2))
+    ids = engine.tokenizer.encode("The capital of France is").ids
+    free = collect(engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0])[0]
+    assert free["text"].startswith(" Paris.")
+    # "s." spans the end of " Paris" and the "." token: cut there, the stop string removed
+    stop = SamplingParams(max_tokens=8, temperature=0.0, stop=["s."])
+    out = collect(engine.generate([ids], stop)[0])[0]
+    assert out["text"] == " Pari" and out["finish"] == "stop"
