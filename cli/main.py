@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,12 +36,33 @@ def _add_compile(sub) -> None:
         dest="gguf_file",
         help="with a hub id or folder holding several GGUF files: which .gguf file to use",
     )
-    p.add_argument("--target", default="cpu", choices=["cpu"], help="compile target (default cpu)")
+    p.add_argument(
+        "--target",
+        default="cpu",
+        choices=["cpu", "cuda", "metal"],
+        help="compile target (default cpu)",
+    )
+    p.add_argument(
+        "--sm",
+        type=int,
+        action="append",
+        dest="sms",
+        help="with --target cuda: SM architecture to emit SASS for (80, 86, 89, 90, 100, 120); "
+        "repeat for one library serving several GPUs (default 90)",
+    )
     p.add_argument(
         "--dtype",
         default="f32",
         choices=["f32", "f16", "bf16"],
-        help="compute dtype of activations, weights and KV cache (default f32)",
+        help="compute dtype of activations and KV cache, and of float weights (default f32)",
+    )
+    p.add_argument(
+        "--quant",
+        help=(
+            "weight format: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2k, q3k, q4k, q5k, "
+            "q6k (llama.cpp's block formats). Default: a GGUF keeps each tensor's own type; "
+            "other sources use --dtype"
+        ),
     )
     p.add_argument(
         "--output", type=Path, default=Path("artifacts"), help="parent folder (default artifacts/)"
@@ -82,6 +104,50 @@ def _add_inspect(sub) -> None:
     p.add_argument("artifact", type=Path)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an artifact over an OpenAI-compatible HTTP API",
+        description=(
+            "Serve an artifact with /v1/chat/completions, /v1/completions, /v1/models, "
+            "/tokenize, /detokenize, /health and /metrics. Without ARTIFACT, the embedded "
+            "default model is compiled for this host once (cached under artifacts/) and served."
+        ),
+    )
+    p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (default: see above)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TALLOW_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $TALLOW_API_KEY, else no auth)",
+    )
+    p.add_argument("--served-model-name", help="model name in the API (default: folder name)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per batch (16)")
+    p.add_argument("--prefill-chunk-size", type=int, default=512, help="tokens (default 512)")
+    p.add_argument("--kv-cache-mem", type=float, help="KV cache size in MB (default: by memory)")
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        help="share of free memory for the KV cache (default 0.9 on GPUs, 0.25 of RAM on CPU)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    p.add_argument("--prefix-cache-max-tokens", type=int, default=8192, help="(default 8192)")
+    p.add_argument(
+        "--max-queued-requests", type=int, default=256, help="waiting requests before 429 (256)"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (4 MiB)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tallow",
@@ -92,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     _add_generate(sub)
     _add_inspect(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -103,7 +170,9 @@ def _run_compile(args) -> int:
             model=args.model,
             gguf_file=args.gguf_file,
             target=args.target,
+            sms=args.sms,
             dtype=args.dtype,
+            quant=args.quant,
             output=args.output,
             name=args.name,
             context_window=args.context_window,
@@ -128,13 +197,62 @@ def _run_inspect(args) -> int:
     return 0
 
 
+_DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
+
+
+def _run_serve(args) -> int:
+    folder = args.artifact
+    if folder is None:
+        folder = _DEFAULT_ARTIFACT
+        if not (folder / "manifest.yaml").is_file():
+            # The one case where serving needs the compiler: the first run without an artifact.
+            from tallow.compiler.pipeline import CompileOptions, compile_model
+
+            print(f"compiling the default model into {folder} (once)", file=sys.stderr)
+            options = CompileOptions(model="default", output=folder.parent, name=folder.name)
+            folder = Path(compile_model(options))
+    # Otherwise the server needs only TVM's runtime library, not the compiler stack.
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from tallow.runtime.engine_factory import EngineOptions, build_engine
+    from tallow.server.app import ServerOptions
+    from tallow.server.launch import serve
+
+    engine = build_engine(
+        folder,
+        EngineOptions(
+            device=args.device,
+            max_num_seqs=args.max_num_seqs,
+            prefill_chunk_size=args.prefill_chunk_size,
+            kv_cache_mem_mb=args.kv_cache_mem,
+            memory_fraction=args.gpu_memory_fraction,
+            prefix_cache=not args.no_prefix_cache,
+            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+        ),
+    )
+    options = ServerOptions(
+        api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    name = args.served_model_name or Path(folder).resolve().name
+    print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve(engine, name, options, args.host, args.port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    commands = {"compile": _run_compile, "generate": _run_generate, "inspect": _run_inspect}
+    commands = {
+        "compile": _run_compile,
+        "generate": _run_generate,
+        "inspect": _run_inspect,
+        "serve": _run_serve,
+    }
     try:
         return commands[args.command](args)
     except TallowError as e:

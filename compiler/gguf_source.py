@@ -23,6 +23,11 @@ from tallow.runtime.manifest import TokenizerInfo
 
 from .source import ModelSource
 
+_TYPE_NAMES = {
+    "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
+    "Q2_K": "q2k", "Q3_K": "q3k", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k",
+}  # fmt: skip
+QUANT_SUFFIX_RE = re.compile(r"[.-](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -83,6 +88,20 @@ class GGUFCheckpoint:
         # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
+    def source_type(self, name: str) -> str:
+        """Our block-type name of a tensor ("q4_1", "q4k", ...), or "float"."""
+        return _TYPE_NAMES.get(self._tensors[name].tensor_type.name, "float")
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's GGUF blocks as uint8 [rows, row_bytes], rows in HF order."""
+        t = self._tensors[name]
+        rows = self.shape(name)[0]
+        arr = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        kind = name.split(".")[-2] if name.count(".") >= 2 else ""
+        if self._permute and kind in self._heads and name.endswith(".weight"):
+            arr = unpermute_rows(arr, self._heads[kind])
+        return arr
+
     def get(self, name: str) -> np.ndarray:
         t = self._tensors[name]
         arr = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
@@ -114,6 +133,8 @@ class GGUFModelSource(ModelSource):
         stem = self.files[0].name
         m = SPLIT_RE.match(stem)
         base = m["stem"] if m else self.files[0].stem
+        # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the format is named apart
+        base = QUANT_SUFFIX_RE.sub("", base) or base
         return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
 
     def input_files(self) -> list[Path]:

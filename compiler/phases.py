@@ -10,7 +10,7 @@ import json
 
 from tallow.model_defs.config import ConfigError
 from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
-from tallow.runtime.errors import ModelSourceError
+from tallow.runtime.errors import ModelSourceError, TargetError
 from tallow.runtime.manifest import (
     FORMAT_VERSION,
     KVCacheInfo,
@@ -21,6 +21,7 @@ from tallow.runtime.manifest import (
 
 from . import tokenizer_files
 from .pipeline import CompileState, make_work_dir
+from .quant_plan import check_quant_option, make_plan
 from .source import resolve_source, sha256_file
 from .target import DTYPES, resolve_target
 from .weights import ParamSpec, check_weight_map, write_weight_shards
@@ -30,7 +31,7 @@ LIBRARY_NAME = "model.so"
 
 def read_config(state: CompileState) -> str:
     opts = state.options
-    state.target = resolve_target(opts.target, opts.dtype)
+    state.target = resolve_target(opts.target, opts.dtype, opts.sms)
     state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
     try:
         state.architecture = arch = get_architecture(source.config)
@@ -39,17 +40,34 @@ def read_config(state: CompileState) -> str:
         raise ModelSourceError(f"{source.spec}: {e}") from e
     if opts.context_window:
         config.context_window_size = min(opts.context_window, config.context_window_size)
-    name = opts.name or f"{source.name}-{opts.dtype}-{state.target.suffix}"
+    check_quant_option(opts.quant, opts.dtype)
+    state.checkpoint = checkpoint = source.open_checkpoint()
+    state.weight_map = source.weight_map(arch, config)
+    missing = sorted({s for srcs in state.weight_map.values() for s in srcs} - checkpoint.names())
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelSourceError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+    state.quant_plan = plan = make_plan(
+        opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
+    )
+    if plan.types and opts.dtype != "f32":
+        raise TargetError(
+            f"quantized weights ({plan.label}) run with --dtype f32 on the {opts.target} target "
+            f"for now; pass --dtype f32 or --quant {opts.dtype}"
+        )
+    name = opts.name or f"{source.name}-{plan.label}-{state.target.suffix}"
     make_work_dir(state, name)
     return (
         f"{arch.hf_name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads}/{config.num_key_value_heads} heads"
+        f"{config.num_attention_heads}/{config.num_key_value_heads} heads; weights {plan.label}"
     )
 
 
 def build_module(state: CompileState) -> str:
     dtype = DTYPES[state.options.dtype]
-    state.module = state.architecture.build(state.config, dtype, state.target.tvm())
+    state.module = state.architecture.build(
+        state.config, dtype, state.target.tvm(), quant=state.quant_plan.types
+    )
     return f"{type(state.module).__name__} ({dtype})"
 
 
@@ -61,9 +79,14 @@ def export_functions(state: CompileState) -> str:
     ]
     state.functions = list(module.get_default_spec())
     # Check the checkpoint against the module now, before the expensive build.
-    state.checkpoint = checkpoint = state.source.open_checkpoint()
-    state.weight_map = state.source.weight_map(state.architecture, state.config)
-    check_weight_map(state.weight_map, state.params, checkpoint.names(), checkpoint.shape)
+    checkpoint = state.checkpoint
+    check_weight_map(
+        state.weight_map,
+        state.params,
+        checkpoint.names(),
+        checkpoint.shape,
+        state.quant_plan.qtype,
+    )
     return f"{len(state.functions)} functions, {len(state.params)} parameters"
 
 
@@ -77,14 +100,20 @@ def lower(state: CompileState) -> str:
 def build_library(state: CompileState) -> str:
     from .relax_pipeline import build_module as build_ir
 
-    path = state.work_dir / LIBRARY_NAME
+    name = state.target.library_name  # LIBRARY_NAME, or a .tar of objects for Metal
+    path = state.work_dir / name
     build_ir(state.ir_module, state.target, path)
-    return f"{LIBRARY_NAME}: {path.stat().st_size / 2**20:.1f} MiB"
+    return f"{name}: {path.stat().st_size / 2**20:.1f} MiB"
 
 
 def convert_weights(state: CompileState) -> str:
     state.param_infos = write_weight_shards(
-        state.work_dir, state.params, state.weight_map, state.checkpoint.get, state.progress
+        state.work_dir,
+        state.params,
+        state.weight_map,
+        state.checkpoint,
+        state.progress,
+        state.quant_plan,
     )
     shards = {p.shard for p in state.param_infos}
     size = sum((state.work_dir / s).stat().st_size for s in shards)
@@ -115,7 +144,7 @@ def write_manifest(state: CompileState) -> str:
             config=json.loads(json.dumps(cfg.to_dict())),
         ),
         dtype=dtype,
-        quantization=opts.dtype,
+        quantization=state.quant_plan.label,
         kv_cache=KVCacheInfo(
             page_size=opts.page_size,
             dtype=dtype,
@@ -130,7 +159,7 @@ def write_manifest(state: CompileState) -> str:
             host=state.target.host,
             details=state.target.details,
         ),
-        library=LIBRARY_NAME,
+        library=state.target.library_name,
         functions=state.functions,
         params=state.param_infos,
         tokenizer=state.tokenizer_info,

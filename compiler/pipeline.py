@@ -25,7 +25,9 @@ from .target import TargetSpec
 class CompileOptions:
     model: str
     target: str = "cpu"
+    sms: list[int] | None = None  # --target cuda: SM architectures, e.g. [80, 90]
     dtype: str = "f32"
+    quant: str | None = None  # weight format; None: a GGUF keeps its types, floats use dtype
     output: Path = Path("artifacts")
     name: str | None = None
     gguf_file: str | None = None
@@ -50,6 +52,7 @@ class CompileState:
     params: list = field(default_factory=list)  # weights.ParamSpec, library order
     checkpoint: Any = None  # names/shape/get over the source tensors
     weight_map: dict[str, list[str]] = field(default_factory=dict)
+    quant_plan: Any = None  # quant_plan.QuantPlan
     work_dir: Path | None = None
     final_dir: Path | None = None
     param_infos: list = field(default_factory=list)

@@ -1,4 +1,12 @@
-"""Compile targets: what the user names (`cpu`), what TVM needs, and which dtypes run there."""
+"""Compile targets: what the user names (`cpu`, `cuda`, `metal`), what TVM needs, and which
+dtypes run there.
+
+CUDA: one library may carry SASS for several architectures (`--sm 80 --sm 90`). TIR is
+scheduled once, for the lowest requested arch (its features are a subset of the others'),
+and `compiler/cuda_build.py` compiles that code for every arch into one fatbin.
+Metal: the host code is arm64 macOS; it is exported as a .tar of objects because this
+(Linux) machine cannot link a macOS dylib; see docs/metal.md.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +34,18 @@ class TargetSpec:
 
     @property
     def suffix(self) -> str:
+        if self.kind == "cuda":
+            return "cuda-" + "-".join(self.details["archs"])
         return self.kind
+
+    @property
+    def library_name(self) -> str:
+        # A macOS dylib cannot be linked here: Metal artifacts ship objects (docs/metal.md).
+        return "model.tar" if self.kind == "metal" else "model.so"
+
+    @property
+    def sms(self) -> list[int]:
+        return [int(a[3:]) for a in self.details.get("archs", [])]
 
 
 def _host_cpu() -> str:
@@ -36,11 +55,59 @@ def _host_cpu() -> str:
     return str(get()) if get is not None else "generic"
 
 
-def resolve_target(kind: str, dtype: str) -> TargetSpec:
-    if kind != "cpu":
-        raise TargetError(f"target {kind!r} is not supported yet; supported: cpu")
+# Architectures we build and test for (Ampere, Ampere GA10x, Ada, Hopper, Blackwell DC/RTX).
+CUDA_SMS = (80, 86, 89, 90, 100, 120)
+
+
+def _cuda_target(dtype: str, sms: list[int] | None) -> TargetSpec:
+    sms = sorted(set(sms or [90]))
+    bad = [sm for sm in sms if sm not in CUDA_SMS]
+    if bad:
+        raise TargetError(
+            f"--sm {', '.join(map(str, bad))} is not supported; choose from "
+            f"{', '.join(map(str, CUDA_SMS))}"
+        )
+    if dtype == "bf16" and sms[0] < 80:  # unreachable with CUDA_SMS today; kept as the rule
+        raise TargetError(f"bf16 needs sm_80 or newer; sm_{sms[0]} has no bf16 arithmetic")
+    archs = [f"sm_{sm}" for sm in sms]
+    return TargetSpec(
+        kind="cuda",
+        # 48 KiB is the shared memory every arch gives a block without an opt-in; stating it
+        # keeps dlight from guessing (it assumes the same value, with a warning per kernel).
+        tvm_target={
+            "kind": "cuda",
+            "arch": archs[0],
+            "max_shared_memory_per_block": 49152,
+            "max_threads_per_block": 1024,
+            "thread_warp_size": 32,
+        },
+        host={"kind": "llvm"},  # generic x86-64 host code: runs on any GPU server's CPU
+        details={"archs": archs, "scheduled_for": archs[0]},
+    )
+
+
+def _metal_target(dtype: str) -> TargetSpec:
+    if dtype == "bf16":
+        raise TargetError("bf16 is not supported on metal; use --dtype f16 or f32")
+    return TargetSpec(
+        kind="metal",
+        tvm_target={"kind": "metal"},
+        host={"kind": "llvm", "mtriple": "arm64-apple-macos"},
+        details={"host_format": "tar of arm64 Mach-O objects, linked on the Mac at load"},
+    )
+
+
+def resolve_target(kind: str, dtype: str, sms: list[int] | None = None) -> TargetSpec:
     if dtype not in DTYPES:
         raise TargetError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if sms and kind != "cuda":
+        raise TargetError("--sm applies to --target cuda only")
+    if kind == "cuda":
+        return _cuda_target(dtype, sms)
+    if kind == "metal":
+        return _metal_target(dtype)
+    if kind != "cpu":
+        raise TargetError(f"target {kind!r} is not supported; supported: cpu, cuda, metal")
     cpu = _host_cpu()
     return TargetSpec(
         kind="cpu",

@@ -18,6 +18,7 @@ from tallow.runtime.manifest import ParamInfo
 from tallow.runtime.safetensors_io import SafetensorsError, SafetensorsFile, save_safetensors
 
 from .progress import Progress
+from .quant import QUANT_TYPES, quantize
 
 SHARD_BYTES = 1 << 30
 _NUMPY_DTYPES = {
@@ -61,12 +62,24 @@ class SafetensorsCheckpoint:
     def get(self, name: str) -> np.ndarray:
         return self._where[name].get(name)
 
+    def source_type(self, name: str) -> str:
+        return "float"
+
+
+def logical_shape(p: ParamSpec, qtype: str) -> tuple[int, ...]:
+    """The float shape a parameter stands for (quantized ones are [rows, row_bytes])."""
+    if qtype == "none":
+        return tuple(p.shape)
+    qt = QUANT_TYPES[qtype]
+    return (p.shape[0], p.shape[1] // qt.type_size * qt.block_size)
+
 
 def check_weight_map(
     weight_map: dict[str, list[str]],
     params: list[ParamSpec],
     available: set[str],
     shape_of: Callable[[str], tuple[int, ...]],
+    qtype_of: Callable[[str], str] = lambda _: "none",
 ) -> None:
     """Fail before compiling if a tensor is missing or has the wrong shape."""
     missing = sorted({s for p in params for s in weight_map.get(p.name, [p.name])} - available)
@@ -77,18 +90,28 @@ def check_weight_map(
         sources = weight_map[p.name]
         shapes = [shape_of(s) for s in sources]
         fused = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes else ()
-        if tuple(fused) != tuple(p.shape):
+        expected = logical_shape(p, qtype_of(p.name))
+        if tuple(fused) != expected:
             raise ModelSourceError(
                 f"tensor(s) {', '.join(sources)} have shape {list(fused)}; the config implies "
-                f"{list(p.shape)} for {p.name}"
+                f"{list(expected)} for {p.name}"
             )
 
 
 def _converted(
-    params: list[ParamSpec], weight_map: dict[str, list[str]], get: TensorGetter
+    params: list[ParamSpec], weight_map: dict[str, list[str]], checkpoint, plan
 ) -> Iterator[tuple[ParamSpec, np.ndarray]]:
     for p in params:
-        parts = [np.asarray(get(s)) for s in weight_map[p.name]]
+        qtype = plan.qtype(p.name) if plan else "none"
+        if qtype != "none":
+            if p.name in plan.reused:  # GGUF blocks copied as they are; rows concatenate
+                parts = [checkpoint.raw(s) for s in weight_map[p.name]]
+                yield p, np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            else:
+                parts = [np.asarray(checkpoint.get(s), np.float32) for s in weight_map[p.name]]
+                yield p, quantize(np.concatenate(parts, axis=0), qtype)
+            continue
+        parts = [np.asarray(checkpoint.get(s)) for s in weight_map[p.name]]
         target = _NUMPY_DTYPES[p.dtype]
         # Cast through float32: numpy has no direct bf16 <-> f16 path.
         parts = [a if a.dtype == target else a.astype(np.float32).astype(target) for a in parts]
@@ -99,8 +122,9 @@ def write_weight_shards(
     out: Path,
     params: list[ParamSpec],
     weight_map: dict[str, list[str]],
-    get: TensorGetter,
+    checkpoint,
     progress: Progress,
+    plan=None,
 ) -> list[ParamInfo]:
     """Write shards `params_NNNNN.safetensors`; return the manifest's parameter list."""
     infos: list[ParamInfo] = []
@@ -114,12 +138,16 @@ def write_weight_shards(
             save_safetensors(out / f"params_{index:05d}.safetensors", shard, {"format": "tallow"})
             shard, shard_bytes, index = {}, 0, index + 1
 
-    for n, (p, arr) in enumerate(_converted(params, weight_map, get), start=1):
+    for n, (p, arr) in enumerate(_converted(params, weight_map, checkpoint, plan), start=1):
+        if tuple(arr.shape) != tuple(p.shape):
+            raise ModelSourceError(f"{p.name}: converted to {arr.shape}, expected {p.shape}")
         if shard and shard_bytes + arr.nbytes > SHARD_BYTES:
             flush()
         shard[p.name] = arr
         shard_bytes += arr.nbytes
-        infos.append(ParamInfo(p.name, list(arr.shape), p.dtype, f"params_{index:05d}.safetensors"))
+        quant = plan.qtype(p.name) if plan else "none"
+        shard_name = f"params_{index:05d}.safetensors"
+        infos.append(ParamInfo(p.name, list(arr.shape), p.dtype, shard_name, quant))
         progress.counter("weights", n, len(params))
     flush()
     return infos

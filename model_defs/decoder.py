@@ -15,6 +15,11 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
+from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul_te
+
+# Parameter name -> GGUF block type ("q4_k", ...) for weights stored quantized; absent or
+# "none" means a plain float weight of the model's dtype.
+QuantTypes = dict[str, str]
 
 # The exported function names, in the order the manifest lists them.
 EXPORTED_FUNCTIONS = (
@@ -27,19 +32,36 @@ EXPORTED_FUNCTIONS = (
 )
 
 
+class BiasedQuantLinear(QuantLinear):
+    """A QuantLinear with an optional float bias (Qwen2's q/k/v); the add fuses as an epilogue."""
+
+    def __init__(self, in_f: int, out_f: int, qtype: str, dtype: str, bias: bool):
+        super().__init__(in_f, out_f, qtype, out_dtype=dtype)
+        self.bias = nn.Parameter((out_f,), dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        return y + self.bias if self.bias is not None else y
+
+
+def linear(name: str, in_f: int, out_f: int, bias: bool, dtype: str, quant: QuantTypes):
+    qtype = quant.get(f"{name}.weight", "none")
+    if qtype == "none":
+        return nn.Linear(in_f, out_f, bias=bias, dtype=dtype)
+    return BiasedQuantLinear(in_f, out_f, qtype, dtype, bias)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str):
+    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         qkv_out = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
         # q, k and v share one matmul; the weight converter concatenates the three.
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, qkv_out, bias=config.attention_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(
-            self.num_q_heads * self.head_dim, config.hidden_size, bias=False, dtype=dtype
-        )
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.qkv_proj = linear(f"{prefix}.qkv_proj", hidden, qkv_out, bias, dtype, quant)
+        q_out = self.num_q_heads * self.head_dim
+        self.o_proj = linear(f"{prefix}.o_proj", q_out, hidden, False, dtype, quant)
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(
                 self.head_dim, -1, config.rms_norm_eps, bias=False, dtype=dtype
@@ -64,14 +86,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str):
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=False, dtype=dtype
-        )
+    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = linear(f"{prefix}.gate_up_proj", hidden, 2 * inter, False, dtype, quant)
+        self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, False, dtype, quant)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -79,14 +97,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str):
+    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
         eps = config.rms_norm_eps
         self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False, dtype=dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant)
         self.post_attention_layernorm = nn.RMSNorm(
             config.hidden_size, -1, eps, bias=False, dtype=dtype
         )
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
@@ -94,10 +112,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str):
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+    def __init__(self, config: DecoderConfig, dtype: str, quant: QuantTypes):
+        vocab, hidden = config.vocab_size, config.hidden_size
+        embed_q = quant.get("model.embed_tokens.weight", "none")
+        if embed_q == "none":
+            self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        else:
+            self.embed_tokens = QuantEmbedding(vocab, hidden, embed_q, out_dtype=dtype)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)]
+            [
+                DecoderLayer(config, dtype, f"model.layers.{i}", quant)
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False, dtype=dtype)
 
@@ -110,19 +136,32 @@ class DecoderBody(nn.Module):
 class DecoderLM(nn.Module):
     """The exported model: token embedding, prefill/decode (single and batched), KV cache."""
 
-    def __init__(self, config: DecoderConfig, dtype: str, target: Target):
+    def __init__(
+        self, config: DecoderConfig, dtype: str, target: Target, quant: QuantTypes | None = None
+    ):
+        quant = dict(quant or {})
         self.config = config
         self.dtype = dtype
         self.target = target
-        self.model = DecoderBody(config, dtype)
+        self.model = DecoderBody(config, dtype, quant)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            vocab, hidden = config.vocab_size, config.hidden_size
+            self.lm_head = linear("lm_head", hidden, vocab, False, dtype, quant)
         else:
             self.lm_head = None
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        if self.lm_head is None:
-            logits = op.matmul(hidden, op.permute_dims(self.model.embed_tokens.weight))
+        embed = self.model.embed_tokens
+        if self.lm_head is None and isinstance(embed, QuantEmbedding):
+            # Tied head over a quantized table: the same blocks, read by a fused matmul.
+            vocab, qtype, dt = self.config.vocab_size, embed.qtype, self.dtype
+            logits = op.tensor_expr_op(
+                lambda x, w: quant_matmul_te(x, w, qtype, vocab, dt),
+                name_hint=f"quant_matmul_{qtype}",
+                args=[hidden, embed.weight],
+            )
+        elif self.lm_head is None:
+            logits = op.matmul(hidden, op.permute_dims(embed.weight))
         else:
             logits = self.lm_head(hidden)
         # Sampling reads float32 logits whatever the compute dtype.

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tvm.relax.frontend import nn
-from tvm.target import Target
 
 from .config import DecoderConfig
 from .weight_map import WeightMap
@@ -19,7 +18,7 @@ class Architecture:
 
     hf_name: str
     config_from_hf: Callable[[dict[str, Any]], DecoderConfig]
-    build: Callable[[DecoderConfig, str, Target], nn.Module]
+    build: Callable[..., nn.Module]  # (config, dtype, target, quant=None)
     hf_weight_map: Callable[[DecoderConfig], WeightMap]
     # GGUF: llama.cpp's architecture name, its metadata -> config.json table, tensor names,
     # and whether llama.cpp's converter permuted the q/k rows (it does for "llama" only).

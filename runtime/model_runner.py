@@ -7,6 +7,7 @@ Only `tvm.runtime` is used, so this works with `TVM_USE_RUNTIME_LIB=1`.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
 import os
@@ -46,25 +47,86 @@ def _load_tvm():
     return tvm, tvm_vm
 
 
+def _built_for(manifest: Manifest) -> str:
+    details = manifest.target.details or {}
+    archs = details.get("archs") or ([details["arch"]] if details.get("arch") else [])
+    return " ".join([manifest.target.kind, "/".join(archs)]).strip()
+
+
+def _load_cuda_runtime(tvm, manifest: Manifest) -> None:
+    """Load TVM's CUDA device API (a separate library in runtime-only mode).
+
+    It links the driver library `libcuda.so.1`; on a machine without an NVIDIA driver the
+    loader refuses it, which we report as "no CUDA driver" instead of a loader message.
+    """
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise ArtifactError(
+            f"artifact built for {_built_for(manifest)}; no CUDA driver found on this machine "
+            f"(libcuda.so.1: {e})"
+        ) from e
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise ArtifactError(f"cannot load TVM's CUDA runtime {lib.name} ({e})") from e
+
+
 def _device(tvm, kind: str, index: int, manifest: Manifest):
     if kind == "cpu":
         return tvm.cpu(index)
     if kind == "cuda":
-        # In runtime-only mode the CUDA device API lives in a separate library.
-        lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
-        if os.environ.get("TVM_USE_RUNTIME_LIB") and lib.is_file():
-            try:
-                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-            except OSError as e:
-                raise ArtifactError(f"cannot load the CUDA runtime ({e})") from e
+        _load_cuda_runtime(tvm, manifest)
         dev = tvm.cuda(index)
     else:
         dev = tvm.metal(index)
-    if not dev.exist:
-        arch = manifest.target.details.get("arch", "")
-        built = f"{kind} {arch}".strip()
-        raise ArtifactError(f"artifact built for {built}; no {kind.upper()} device {index} found")
+    try:
+        exists = bool(dev.exist)
+    except Exception:  # the device API is not registered in this TVM build
+        exists = False
+    if not exists:
+        raise ArtifactError(
+            f"artifact built for {_built_for(manifest)}; no {kind.upper()} device {index} found"
+        )
     return dev
+
+
+def _library_path(folder: Path, manifest: Manifest) -> Path:
+    """The loadable library; a Metal artifact's .tar of objects is linked once, then cached.
+
+    The compiler cannot link a macOS dylib on Linux (docs/metal.md), so the Mac does it on
+    first load with the system compiler, into ~/.cache/tallow/metal/<hash of the tar>/.
+    """
+    lib = folder / manifest.library
+    if lib.suffix != ".tar":
+        return lib
+    import hashlib
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
+    digest = hashlib.sha256(lib.read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tallow" / "metal"
+    out = cache / digest / "model.dylib"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        with tarfile.open(lib) as tar:
+            tar.extractall(tmp, filter="data")
+        objects = sorted(str(p) for p in Path(tmp).iterdir() if p.suffix == ".o")
+        cc = os.environ.get("CC") or shutil.which("clang") or shutil.which("cc") or "cc"
+        # TVM runtime symbols resolve against the already loaded libtvm_runtime at load time.
+        cmd = [cc, "-dynamiclib", "-undefined", "dynamic_lookup", "-o", f"{tmp}/m.dylib", *objects]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ArtifactError(f"linking {lib.name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(f"{tmp}/m.dylib", out)
+    return out
 
 
 class TVMModelRunner:
@@ -84,7 +146,7 @@ class TVMModelRunner:
         self._tvm = tvm
         self.device = _device(tvm, kind, index, self.manifest)
         try:
-            lib = tvm.runtime.load_module(str(self.folder / self.manifest.library))
+            lib = tvm.runtime.load_module(str(_library_path(self.folder, self.manifest)))
         except Exception as e:  # TVM raises its own error types
             raise ArtifactError(f"cannot load {self.manifest.library}: {e}") from e
         self.vm = tvm_vm.VirtualMachine(lib, self.device)
@@ -99,6 +161,11 @@ class TVMModelRunner:
         self.context_window = int(self.manifest.kv_cache.context_window)
         self.page_size = int(self.manifest.kv_cache.page_size)
         kv = kv or KVCacheConfig()
+        # CUDA artifacts plan batch_decode's memory for a bounded batch (CUDA graphs).
+        bound = (self.manifest.target.details or {}).get("cuda_graph", {}).get("max_batch_size")
+        if bound and kv.max_batch_size > int(bound):
+            log.info("max batch %d capped to the compiled bound %d", kv.max_batch_size, bound)
+            kv = dataclasses.replace(kv, max_batch_size=int(bound))
         self.max_batch_size = kv.max_batch_size
         self.prefill_chunk_size = kv.prefill_chunk_size
         total = kv.max_total_tokens or self.context_window * max(1, kv.max_batch_size // 4)
@@ -177,3 +244,29 @@ class TVMModelRunner:
     # --- helpers ---------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
+
+
+def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int = 0) -> np.ndarray:
+    """Float32 logits after every token of `tokens` (for perplexity), chunk by chunk."""
+    tvm = runner._tvm
+    runner.add_sequence(seq_id)
+    out = []
+    try:
+        for start in range(0, len(tokens), runner.prefill_chunk_size):
+            chunk = tokens[start : start + runner.prefill_chunk_size]
+            ids = tvm.runtime.tensor(np.asarray(chunk, dtype=np.int32), runner.device)
+            embeds = runner._funcs["embed"](ids, runner.params)
+            embeds = embeds._create_view((1, len(chunk), runner.hidden_size))
+            positions = tvm.runtime.tensor(np.arange(len(chunk), dtype=np.int32), runner.device)
+            shape = tvm.runtime.ShapeTuple
+            runner._begin(runner.kv_cache, shape([seq_id]), shape([len(chunk)]))
+            try:
+                logits, _ = runner._funcs["batch_prefill"](
+                    embeds, positions, runner.kv_cache, runner.params
+                )
+            finally:
+                runner._end(runner.kv_cache)
+            out.append(logits.numpy().reshape(len(chunk), -1)[:, : runner.vocab_size])
+    finally:
+        runner.remove_sequence(seq_id)
+    return np.concatenate(out, axis=0)

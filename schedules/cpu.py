@@ -53,7 +53,9 @@ def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
     n_extent = _static(sch.get(loops[-2]).extent)
     dtype = str(sch.get(block).writes[0].source.dtype)
     lanes = _vector_lanes(target, "float32")
-    if k_extent is None or n_extent is None or k_extent % lanes or dtype not in ("float32",):
+    if k_extent is None or n_extent is None or k_extent % lanes:
+        return False
+    if dtype not in ("float32", "float16"):  # LLVM has no vector bf16 arithmetic on x86
         return False
     *m_loops, n, k = loops
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else (m_loops[0] if m_loops else None)
@@ -111,6 +113,11 @@ def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
 
 
 def schedule_module(mod: tvm.IRModule, target) -> tvm.IRModule:
+    # Quantized matmuls first: the float rule below would also match them, but would decode
+    # every weight inside the K loop instead of a block at a time.
+    from . import cpu_quant
+
+    mod = cpu_quant.schedule_module(mod, target)
     updated = {}
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs and "tirx.is_scheduled" in func.attrs:

@@ -76,7 +76,7 @@ SMOL_CHAT = ["What is the capital of France?", "Write a haiku about the sea."]
 
 @pytest.fixture(scope="module")
 def smollm2_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
-    return compile_to(smollm2_gguf, tmp_path_factory.mktemp("smol"))
+    return compile_to(smollm2_gguf, tmp_path_factory.mktemp("smol"), quant="f32")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_default_model_compiles_and_answers(tmp_path, capsys):
     out = tmp_path / "arts"
     assert main(["compile", "--model", "default", "--output", str(out), "--quiet"]) == 0
     (art,) = out.iterdir()
-    assert art.name == "smollm2-135m-instruct.q4_1-f32-cpu"
+    assert art.name == "smollm2-135m-instruct-q4_1-cpu"
     capsys.readouterr()
     argv = ["generate", str(art), "--chat", "--prompt", "What is the capital of France?"]
     assert main([*argv, "--max-tokens", "12"]) == 0
@@ -188,3 +188,29 @@ def test_folder_with_several_gguf_models(capsys, tiny_model_dir, tmp_path):
     write_gguf(tiny_model_dir("qwen3"), src / "a.gguf", "qwen3")
     shutil.copy(src / "a.gguf", src / "b.gguf")
     expect_failure(capsys, src, tmp_path / "out", "choose one with --file")
+
+
+def test_hub_id_with_gguf_file_from_local_cache(tiny_model_dir, tmp_path):
+    """`--model ORG/NAME --file X.gguf` resolves through huggingface_hub's cache offline."""
+    import os
+    import subprocess
+    import sys
+
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hf" / "hub" / "models--tiny--qwen3-gguf"
+    snap = repo / "snapshots" / revision
+    snap.mkdir(parents=True)
+    write_gguf(tiny_model_dir("qwen3"), snap / "tiny-q.gguf", "qwen3")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    script = (
+        "from tallow.compiler.source import resolve_source\n"
+        "s = resolve_source('tiny/qwen3-gguf', gguf_file='tiny-q.gguf')\n"
+        "print(s.kind, s.config['architectures'][0], s.name)"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["gguf", "Qwen3ForCausalLM", "tiny-q"]

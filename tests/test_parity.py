@@ -32,53 +32,56 @@ def run_parity(runner: TVMModelRunner, hf) -> tuple[float, float, list, list]:
     """Batched prefill of two prompts, then batched decode.
 
     Returns the worst absolute logit error, the largest reference logit (for relative
-    tolerances) and the greedy tokens of both sides.
+    tolerances), and per step and sequence (our argmax, oracle argmax, oracle top-2 margin).
     """
     seqs = [list(p) for p in PROMPTS]
     for i in range(len(seqs)):
         runner.add_sequence(i)
     ours = runner.forward([(i, s) for i, s in enumerate(seqs)])
     worst = scale = 0.0
-    our_tokens: list[list[int]] = [[] for _ in seqs]
-    ref_tokens: list[list[int]] = [[] for _ in seqs]
+    picks: list[tuple[int, int, float]] = []
     for step in range(DECODE_STEPS + 1):
         refs = np.stack([hf_last_logits(hf, s) for s in seqs])
         worst = max(worst, float(np.abs(ours - refs).max()))
         scale = max(scale, float(np.abs(refs).max()))
         for i, s in enumerate(seqs):
-            our_tokens[i].append(int(ours[i].argmax()))
-            ref_tokens[i].append(int(refs[i].argmax()))
-            s.append(ref_tokens[i][-1])  # both sides continue with the oracle's token
+            top2 = np.sort(refs[i])[-2:]
+            picks.append((int(ours[i].argmax()), int(refs[i].argmax()), float(top2[1] - top2[0])))
+            s.append(picks[-1][1])  # both sides continue with the oracle's token
         if step < DECODE_STEPS:
             ours = runner.forward([(i, [s[-1]]) for i, s in enumerate(seqs)])
     for i in range(len(seqs)):
         runner.remove_sequence(i)
-    return worst, scale, our_tokens, ref_tokens
+    return worst, scale, picks
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
     hf = load_hf(tiny_model_dir(name))
-    worst, _, ours, ref = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
+    worst, _, picks = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
     assert worst <= 1e-4, f"{name}: max abs logit error {worst}"
-    assert ours == ref
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_logits_match_transformers_f16(name, tiny_model_dir, tiny_artifact):
     # f16 weights, activations and KV cache against the float32 oracle. transformers' own f16
     # run of the llama model is off by 3e-3 of the largest logit; ours by up to 8e-3, because
-    # TVM's legalized f16 matmuls accumulate in f16. Tolerance: 1.5e-2 relative, same tokens.
+    # TVM's legalized f16 matmuls accumulate in f16. Tolerance: 1.5e-2 relative. Greedy tokens
+    # must agree wherever the oracle's top two are further apart than twice that error: closer
+    # than that, f16 rounding alone may legitimately flip the choice.
     hf = load_hf(tiny_model_dir(name))
-    worst, scale, ours, ref = run_parity(runner_for(tiny_artifact(name, "f16")), hf)
+    worst, scale, picks = run_parity(runner_for(tiny_artifact(name, "f16")), hf)
     assert worst <= 1.5e-2 * scale, f"{name}: max abs logit error {worst}, max |logit| {scale}"
-    assert ours == ref
+    decided = [(o, r) for o, r, margin in picks if margin > 2 * worst]
+    assert len(decided) >= len(picks) * 3 // 4, "too few steps with a clear greedy choice"
+    assert all(o == r for o, r in decided)
 
 
 def test_logits_match_transformers_bf16(tiny_model_dir, tiny_artifact):
     # bfloat16 keeps 8 mantissa bits (0.4% per rounding) and TVM accumulates in bf16.
     hf = load_hf(tiny_model_dir("qwen3"))
-    worst, scale, _, _ = run_parity(runner_for(tiny_artifact("qwen3", "bf16")), hf)
+    worst, scale, _ = run_parity(runner_for(tiny_artifact("qwen3", "bf16")), hf)
     assert worst <= 6e-2 * scale, f"max abs logit error {worst}, max |logit| {scale}"
 
 

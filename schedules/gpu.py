@@ -1,0 +1,158 @@
+"""GPU (CUDA, Metal) schedules: TVM's dlight rules, applied one kernel at a time so the
+compiler can report which rule each kernel got.
+
+Rule order matters (first match wins), as in MLC-LLM:
+
+* `Matmul` – prefill-sized matmuls. On CUDA sm_70+ with fp16 inputs and every static extent
+  above 64 it tries `MatmulTensorization` (wmma tensor cores); on Metal `MetalMatmul`
+  (simdgroup matrices). Otherwise a SIMT tiling.
+* `GEMV` / `LowBatchGEMV` – decode: one (or a few) rows times a weight matrix; memory
+  bound, tensor cores would not help.
+* `Reduction` / `GeneralReduction` – RMSNorm, softmax and the like.
+* `Fallback` – everything else (elementwise) gets a plain thread binding.
+
+The paged-attention kernels of TVM's KV cache come already scheduled for the GPU and are
+left alone ("prescheduled").
+
+A kernel the `Matmul` rule took but could not put on tensor cores is never silent: it is
+listed with the reason, and a warning is logged, because on a tensor-core GPU such a kernel
+is usually the slowest in prefill.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import sys
+from collections import Counter
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import dlight as dl
+
+log = logging.getLogger(__name__)
+
+# Calls that only appear when a block was tensorized onto matrix units.
+_TENSOR_CORE_CALLS = re.compile(r"mma_sync|ptx_mma|simdgroup_multiply_accumulate")
+
+
+def _import_tensor_intrinsics() -> None:
+    """Import `tvm.s_tir.tensor_intrin` (wmma / simdgroup intrinsics) in ~10 s, not ~100 s.
+
+    The dlight tensor-core rules import it on first use; it parses ~260 TVMScript functions
+    and the parser calls `inspect.stack()` for each. With TVM's ~2000 modules loaded,
+    `inspect.getmodule` rescans all of `sys.modules` for every frame whose file is not a
+    module (the `<frozen importlib._bootstrap>` frames of the import itself). We memoise it
+    per frame file for the duration of this one import; nothing else is changed.
+    """
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    original, cache = inspect.getmodule, {}
+
+    def getmodule(obj, _filename=None):
+        code = getattr(obj, "f_code", None)
+        if code is None:
+            return original(obj, _filename)
+        key = (code.co_filename, _filename)
+        if key not in cache:
+            cache[key] = original(obj, _filename)
+        return cache[key]
+
+    inspect.getmodule = getmodule
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+    finally:
+        inspect.getmodule = original
+
+
+def _rules():
+    return [
+        ("Matmul", dl.gpu.Matmul()),
+        ("GEMV", dl.gpu.GEMV()),
+        ("LowBatchGEMV", dl.gpu.LowBatchGEMV()),
+        ("Reduction", dl.gpu.Reduction()),
+        ("GeneralReduction", dl.gpu.GeneralReduction()),
+        ("Fallback", dl.gpu.Fallback()),
+    ]
+
+
+def has_tensor_cores(target) -> bool:
+    if target.kind.name == "metal":
+        return True  # simdgroup matrices (Apple7+ GPUs)
+    arch = str(target.attrs.get("arch", ""))
+    return target.kind.name == "cuda" and arch.startswith("sm_") and int(arch[3:]) >= 70
+
+
+def _family(name: str) -> str:
+    """`fused_NT_matmul1_add2` -> `fused_NT_matmul_add`: one family per kernel shape class."""
+    return re.sub(r"\d+(?=_|$)", "", name)
+
+
+def _no_tensor_core_reason(func: tirx.PrimFunc) -> str:
+    """Why dlight's Matmul rule kept this kernel on SIMT cores (mirrors its own checks)."""
+    # (The 0.27 Python PrimFunc exposes no buffer_map: read the buffers off its script.)
+    buffers = re.findall(r'T\.Buffer\(\((.*?)\), "(\w+)"\)', func.script())
+    dtypes = {dtype for _, dtype in buffers}
+    if "float16" not in dtypes:
+        return f"dtype {'/'.join(sorted(dtypes))}: dlight tensorizes fp16 (and int8) only"
+    if func.attrs and "dlight.do_not_tensorize" in func.attrs:
+        return "marked dlight.do_not_tensorize"
+    shapes = [int(d) for dims, _ in buffers for d in re.findall(r"(?<![\w.])\d+", dims)]
+    if any(0 < d <= 64 for d in shapes):
+        return "a static extent <= 64 (below dlight's tensorization threshold)"
+    return "tensorization rule did not match"
+
+
+def schedule_module(mod: tvm.IRModule, target, report: dict | None = None) -> tvm.IRModule:
+    """Schedule every unscheduled PrimFunc; fill `report` with what each kernel got."""
+    _import_tensor_intrinsics()
+    rules = _rules()
+    kernels: dict[str, str] = {}
+    families: dict[str, Counter] = {}
+    tensor_core, fallbacks, errors = [], [], {}
+    updated = {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        name = gv.name_hint
+        if func.attrs and "tirx.is_scheduled" in func.attrs:
+            kernels[name] = "prescheduled"
+            families.setdefault(_family(name), Counter())["prescheduled"] += 1
+            continue
+        chosen = None
+        for rule_name, rule in rules:
+            try:
+                space = rule.apply(func, target, False)
+            except Exception as e:  # a rule that half-matches raises; try the next one
+                errors[name] = f"{rule_name}: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            if space is None:
+                continue
+            sch = space[0] if isinstance(space, list) else space
+            updated[gv] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+            chosen = rule_name
+            break
+        kernels[name] = chosen or "unscheduled"
+        families.setdefault(_family(name), Counter())[kernels[name]] += 1
+        if chosen == "Matmul":
+            if _TENSOR_CORE_CALLS.search(updated[gv].script()):
+                tensor_core.append(name)
+            elif has_tensor_cores(target):
+                reason = _no_tensor_core_reason(func)
+                fallbacks.append({"kernel": name, "reason": reason})
+                log.warning("matmul kernel %s is not on tensor cores: %s", name, reason)
+    for gv, func in updated.items():
+        mod[gv] = func
+    unscheduled = [k for k, r in kernels.items() if r == "unscheduled"]
+    if unscheduled:
+        raise RuntimeError(f"no GPU schedule rule matched kernels {unscheduled}: {errors}")
+    if report is not None:
+        report["rules"] = dict(Counter(kernels.values()))
+        report["families"] = {f: dict(c) for f, c in sorted(families.items())}
+        report["tensor_core"] = {
+            "target_has_tensor_cores": has_tensor_cores(target),
+            "tensorized_kernels": sorted(tensor_core),
+            "matmul_kernels_without_tensor_cores": fallbacks,
+        }
+    return mod

@@ -1,0 +1,98 @@
+"""Prometheus metrics, one registry per app (several apps in one process must not collide).
+
+Engine counters are read from `engine.stats()` at scrape time by a custom collector, so
+nothing has to be pushed from the step thread; per-request histograms are observed by the
+request handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tallow.runtime.request import EngineStats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = {
+            "num_requests_waiting": ("sequences waiting for admission", s.num_waiting),
+            "num_requests_running": ("sequences holding KV cache", s.num_running),
+            "kv_cache_pages_used": ("KV cache pages in use", s.kv_pages_used),
+            "kv_cache_pages_total": ("KV cache pages in all", s.kv_pages_total),
+            "step_latency_last_seconds": ("latency of the last engine step", s.last_step_latency_s),
+            "step_latency_avg_seconds": ("mean engine step latency", s.avg_step_latency_s),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"tallow_{name}", doc, value=value)
+        counters = {
+            "preemptions": ("sequences preempted", s.num_preemptions),
+            "prefix_cache_hit_tokens": (
+                "prompt tokens from the prefix cache",
+                s.prefix_cache_hit_tokens,
+            ),
+            "prompt_tokens": ("prompt tokens admitted", s.prompt_tokens),
+            "generation_tokens": ("tokens generated", s.generated_tokens),
+            "engine_steps": ("engine steps run", s.num_steps),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"tallow_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.requests = Counter(
+            "tallow_requests", "finished requests", ["endpoint", "finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "tallow_requests_rejected", "requests answered with an error", ["status"], registry=r
+        )
+        self.latency = Histogram(
+            "tallow_request_latency_seconds",
+            "end-to-end request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tallow_time_to_first_token_seconds",
+            "time to the first generated token",
+            ["endpoint"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "tallow_request_prompt_tokens",
+            "prompt tokens per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "tallow_request_generation_tokens",
+            "generated tokens per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queued = Gauge(
+            "tallow_server_queued_requests",
+            "accepted requests without a first output yet",
+            registry=r,
+        )
+        self.in_flight = Gauge("tallow_server_requests_in_flight", "requests in flight", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,189 @@
+"""Dequantizing kernels for GGUF block formats (tallow.model_defs.quant_ops, schedules.cpu_quant).
+
+* TIR dequantization of every type equals ``gguf.quants.dequantize`` bit for bit (float32).
+* QuantLinear (x @ dequantize(W)^T) compiles to ONE PrimFunc holding the "dequantize" block
+  after the Relax fusion pipeline, our CPU schedule keeps W out of global memory, and the
+  result matches numpy (gguf dequantize, then matmul) for M in {1, 3, 17} (not multiples of
+  the row tile) and several N, K.
+* QuantEmbedding returns exactly the dequantized rows it looks up.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, s_tir, te
+from tvm.relax import transform as T
+from tvm.relax.frontend import nn
+from tvm.target import Target
+
+from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.model_defs.quant_ops import (
+    BLOCK,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize_te,
+    row_bytes,
+)
+from tallow.schedules import cpu_quant
+
+TYPES = list(BLOCK)
+TARGET = Target({"kind": "llvm"})
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # heavy-ish tails and an offset so q4_1/q5_1 minimums and K-quant mins are exercised
+    x = rng.standard_normal((rows, cols)).astype(np.float32) * 0.7 + 0.1
+    x[:, ::37] *= 4.0
+    return quantize(x, qtype)
+
+
+def _gguf_dequant(blocks: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
+    out = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type)
+    return np.asarray(out, dtype=np.float32).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_bit_exact(qtype):
+    rows, cols = 5, 512
+    b = _blocks(qtype, rows, cols, seed=1)
+    w = te.placeholder((rows, row_bytes(qtype, cols)), "uint8", name="w")
+    func = te.create_prim_func([w, dequantize_te(w, qtype, rows, cols)])
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    out = tvm.runtime.empty((rows, cols), "float32")
+    lib["main"](tvm.runtime.tensor(b), out)
+    ref = _gguf_dequant(b, qtype, rows, cols)
+    np.testing.assert_array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))
+
+
+def _pipeline():
+    """The fusion part of compiler/relax_pipeline.py, the quant schedule, then VM lowering."""
+
+    @tvm.transform.module_pass(opt_level=0, name="cpu_quant")
+    def schedule(mod, _ctx):
+        return cpu_quant.schedule_module(mod, TARGET)
+
+    fuse = [
+        T.FuseTransposeMatmul(),
+        T.LegalizeOps(),
+        T.AnnotateTIROpPattern(),
+        T.FoldConstant(),
+        T.FuseOps(),
+        T.FuseTIR(),
+        T.DeadCodeElimination(),
+    ]
+    lower = [
+        T.RewriteDataflowReshape(),
+        T.ToNonDataflow(),
+        T.RemovePurityChecking(),
+        T.CallTIRRewrite(),
+        T.StaticPlanBlockMemory(),
+        T.LowerAllocTensor(),
+        T.KillAfterLastUse(),
+        T.LowerRuntimeBuiltin(),
+        T.ComputePrimValue(),
+        T.VMShapeLower(),
+        T.AttachGlobalSymbol(),
+    ]
+    return tvm.transform.Sequential(fuse), schedule, tvm.transform.Sequential(lower)
+
+
+def _build(module: nn.Module, spec: dict):
+    mod, _ = module.export_tvm({"forward": spec})
+    fuse, schedule, lower = _pipeline()
+    with TARGET:
+        fused = fuse(mod)
+        scheduled = schedule(fused)
+        ex = tvm.compile(lower(scheduled), target=TARGET, relax_pipeline=None)
+    return fused, scheduled, relax.VirtualMachine(ex, tvm.cpu())
+
+
+def _prim_funcs(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+class _LinearResidual(nn.Module):
+    """QuantLinear plus an elementwise epilogue that FuseOps pulls into the same kernel."""
+
+    def __init__(self, k, n, qtype):
+        self.proj = QuantLinear(k, n, qtype)
+
+    def forward(self, x, r):
+        return self.proj(x) + r
+
+
+def _check_one_kernel(fused, scheduled):
+    funcs = _prim_funcs(fused)
+    assert len(funcs) == 1, f"expected one fused kernel, got {sorted(funcs)}"
+    ((name, func),) = funcs.items()
+    sch = s_tir.Schedule(func)
+    sch.get_sblock("dequantize")  # raises if the dequantize block is not inside this kernel
+    # after scheduling, the dequantized values live in a kernel-local tile, not a global W
+    sch = s_tir.Schedule(_prim_funcs(scheduled)[name])
+    assert "tirx.is_scheduled" in sch.mod["main"].attrs
+    deq = sch.get(sch.get_sblock("dequantize"))
+    assert deq.writes[0].source.scope() == "local"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quant_linear_fused_matches_numpy(qtype):
+    k = 512
+    n = 256 + 48 if BLOCK[qtype][0] == 32 else 256  # N not a multiple of the chunk for some
+    b = _blocks(qtype, n, k, seed=2)
+    fused, scheduled, vm = _build(
+        _LinearResidual(k, n, qtype),
+        {"x": nn.spec.Tensor(["m", k], "float32"), "r": nn.spec.Tensor(["m", n], "float32")},
+    )
+    _check_one_kernel(fused, scheduled)
+    w = _gguf_dequant(b, qtype, n, k).astype(np.float64)
+    rng = np.random.default_rng(3)
+    for m in (1, 3, 17):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        r = rng.standard_normal((m, n)).astype(np.float32)
+        out = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), tvm.runtime.tensor(b))
+        ref = x.astype(np.float64) @ w.T + r
+        scale = np.abs(x).astype(np.float64) @ np.abs(w).T  # bound for float32 rounding
+        err = np.abs(out.numpy() - ref)
+        assert (err <= 1e-5 * scale + 1e-6).all(), f"m={m}: max err {err.max()}"
+
+
+def test_quant_linear_3d_input_and_larger_k():
+    """[batch, seq, K] input as the decoder passes it; K = 1024 over several K-quant blocks."""
+    qtype, k, n = "q4k", 1024, 512
+    b = _blocks(qtype, n, k, seed=4)
+    fused, scheduled, vm = _build(
+        QuantLinear(k, n, qtype), {"x": nn.spec.Tensor([1, "s", k], "float32")}
+    )
+    _check_one_kernel(fused, scheduled)
+    w = _gguf_dequant(b, qtype, n, k).astype(np.float64)
+    x = np.random.default_rng(5).standard_normal((1, 5, k)).astype(np.float32)
+    out = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(b)).numpy()
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def test_schedule_rejects_other_kernels():
+    x = te.placeholder((4, 64), "float32", name="x")
+    y = te.compute((4, 64), lambda i, j: x[i, j] * 2.0, name="dequantize")
+    assert cpu_quant.schedule_func(te.create_prim_func([x, y]), TARGET) is None
+    w = te.placeholder((8, 64), "float32", name="w")
+    kk = te.reduce_axis((0, 64), "k")
+    mm = te.compute((4, 8), lambda i, j: te.sum(x[i, kk] * w[j, kk], axis=kk), name="matmul")
+    assert cpu_quant.schedule_func(te.create_prim_func([x, w, mm]), TARGET) is None
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quant_embedding_rows(qtype):
+    num, dim = 40, 512
+    b = _blocks(qtype, num, dim, seed=6)
+    mod, _ = QuantEmbedding(num, dim, qtype).export_tvm(
+        {"forward": {"ids": nn.spec.Tensor(["t"], "int32")}}
+    )
+    ex = tvm.compile(mod, target=TARGET)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    ids = np.array([7, 0, 39, 7, 21], dtype=np.int32)
+    out = vm["forward"](tvm.runtime.tensor(ids), tvm.runtime.tensor(b)).numpy()
+    ref = _gguf_dequant(b, qtype, num, dim)[ids]
+    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))

@@ -1,0 +1,151 @@
+"""Quantized weights in whole models: GGUF types kept as they are, and `--quant` on floats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from tallow.cli.main import main
+from tallow.compiler.pipeline import CompileOptions, compile_model
+from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.runtime.cli_generate import encode_prompt
+from tallow.runtime.generate import generate_tokens
+from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+from tallow.runtime.sampling_params import SamplingParams
+
+from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 40, 3, 99, 250, 7], [11, 12, 13, 200, 201, 66, 8, 9, 10, 120, 44]]
+
+
+def logits_of(artifact) -> np.ndarray:
+    runner = TVMModelRunner(artifact, kv=KVCacheConfig(4, 512, 64))
+    for i in range(len(PROMPTS)):
+        runner.add_sequence(i)
+    return runner.forward([(i, p) for i, p in enumerate(PROMPTS)])
+
+
+def manifest_of(artifact) -> dict:
+    return yaml.safe_load((artifact / "manifest.yaml").read_text())
+
+
+OURS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj":
+        "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def dequantized_twin(src, dst, types: dict[str, str]):
+    """A copy of an HF model folder whose weights are what the quantized artifact holds:
+    quantized by the types the manifest lists, decoded by gguf's own dequantizer."""
+    import shutil
+
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(src / "model.safetensors")
+    for name, w in weights.items():
+        module = name.rsplit(".", 2)[-2]
+        ours = name.replace(module, OURS.get(module, module))
+        qtype = types.get(ours, "none")
+        if qtype != "none":
+            blocks = quantize(w.astype(np.float32), qtype)
+            weights[name] = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type)
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4k"])
+def test_quant_on_float_model(quant, tiny_model_dir, tmp_path):
+    """qwen2 (q/k/v bias on a quantized matmul) quantized with --quant equals, to float32
+    rounding, the float model built from the same weights decoded by gguf's dequantizer.
+    Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, as llama.cpp does."""
+    src = tiny_model_dir("qwen2")
+    art = compile_model(CompileOptions(model=str(src), quant=quant, output=tmp_path, quiet=True))
+    m = manifest_of(art)
+    assert m["quantization"] == quant
+    types = {p["name"]: p["quant"] for p in m["params"]}
+    expected = {"q8_0": "q8_0", "q4_0": "q4_0", "q4k": "q5_0"}[quant]
+    assert types["model.layers.0.self_attn.qkv_proj.weight"] == expected
+    assert types["model.layers.0.self_attn.qkv_proj.bias"] == "none"
+    assert types["model.layers.0.input_layernorm.weight"] == "none"
+    twin = dequantized_twin(src, tmp_path / "twin", types)
+    ref = logits_of(compile_model(CompileOptions(model=str(twin), output=tmp_path, quiet=True)))
+    got = logits_of(art)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_quantized_weight_bytes(tiny_model_dir, tmp_path):
+    art = compile_model(
+        CompileOptions(
+            model=str(tiny_model_dir("qwen3")), quant="q4_0", output=tmp_path, quiet=True
+        )
+    )
+    for p in manifest_of(art)["params"]:
+        if p["quant"] != "none":
+            qt = QUANT_TYPES[p["quant"]]
+            rows, row_bytes = p["shape"]
+            cols = row_bytes * qt.block_size // qt.type_size
+            assert row_bytes * rows * 8 / (rows * cols) == pytest.approx(qt.bits_per_weight)
+
+
+def test_unknown_quant_lists_valid(capsys, tiny_model_dir, tmp_path):
+    argv = ["compile", "--model", str(tiny_model_dir("qwen3")), "--quant", "q9", "--output"]
+    assert main([*argv, str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --quant 'q9'" in err and "q4k" in err and "q8_0" in err
+
+
+SMOL_PROMPTS = [
+    ("The capital of France is", False),
+    ("def fibonacci(n):", False),
+    ("What is the capital of France?", True),
+]
+
+
+def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
+    """The GGUF's own Q4_1/Q8_0 blocks, decoded in the fused kernels, against the same file
+    dequantized to f32 at compile time: the same weights, so the same greedy tokens."""
+    native = compile_model(
+        CompileOptions(model=str(smollm2_gguf), output=tmp_path_factory.mktemp("n"), quiet=True)
+    )
+    f32 = compile_model(
+        CompileOptions(
+            model=str(smollm2_gguf), quant="f32", output=tmp_path_factory.mktemp("f"), quiet=True
+        )
+    )
+    m = manifest_of(native)
+    types = {p["quant"] for p in m["params"]}
+    assert {"q4_1", "q8_0", "none"} == types and m["quantization"] == "q4_1"
+    weights = sum(
+        (native / s).stat().st_size for s in {p["shape"] and p["shard"] for p in m["params"]}
+    )
+    assert weights < 100 * 2**20  # 135M weights at ~4.5 bits, not 540 MB of f32
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runners = [TVMModelRunner(a, kv=KVCacheConfig(1, 1024, 256)) for a in (native, f32)]
+    for prompt, chat in SMOL_PROMPTS:
+        ids = encode_prompt(runners[0], prompt, chat, None)
+        a, b = (list(generate_tokens(r, ids, params)) for r in runners)
+        assert a == b, prompt
+
+
+def test_smollm2_q8_0_perplexity_within_1_percent_of_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
+    from pathlib import Path
+
+    from tallow.runtime.evaluate import perplexity
+
+    text = (Path(__file__).parent / "data" / "prose.txt").read_text()
+    ppl = {}
+    for fmt in ("f32", "q8_0"):
+        art = compile_model(
+            CompileOptions(
+                model=str(smollm2_gguf), quant=fmt, output=tmp_path_factory.mktemp(fmt), quiet=True
+            )
+        )
+        runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512))
+        tokens = runner.tokenizer.tokenizer.encode(text).ids[:1024]
+        ppl[fmt] = perplexity(runner, tokens)
+    assert 2 < ppl["f32"] < 60, ppl  # a working 135M model on plain English prose
+    assert abs(ppl["q8_0"] / ppl["f32"] - 1) < 0.01, ppl
