@@ -44,7 +44,12 @@ def bench_tallow(gguf: Path, quant: str | None, prompt: list[int]) -> tuple[floa
 
 
 def bench_llamacpp(gguf: Path, threads: int, prompt: list[int]) -> tuple[float, float]:
+    import llama_cpp
     from llama_cpp import Llama
+
+    def last_logits(llm) -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
     llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
     t = time.perf_counter()
@@ -52,7 +57,7 @@ def bench_llamacpp(gguf: Path, threads: int, prompt: list[int]) -> tuple[float, 
     prefill = len(prompt) / (time.perf_counter() - t)
     t = time.perf_counter()
     for _ in range(DECODE_TOKENS):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits(llm)))
         llm.eval([token])
     decode = DECODE_TOKENS / (time.perf_counter() - t)
     return prefill, decode
