@@ -2,6 +2,7 @@
 
     python benchmarks/compile_shape.py --preset qwen3-8b --target cuda --sm 90 --dtype f16 \
         --out /tmp/q8
+    python benchmarks/compile_shape.py --preset qwen3-0.6b --target cpu --dtype f16 --out /tmp/q06
 
 Writes `<out>/model.so` (or model.tar for metal) and `<out>/shape.json` (config, parameter
 names/shapes/dtypes in library order, target details), which `gpu_check.py` uses to make
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -37,6 +39,18 @@ PRESETS = {
         head_dim=64,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": dict(
+        QWEN3,
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
     ),
     "qwen3-0.6b-2l": dict(
         QWEN3,
@@ -88,6 +102,7 @@ def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None)
     build_module(lowered, spec, out / spec.library_name)
     times["build_s"] = round(time.perf_counter() - t, 1)
     times["total_s"] = round(time.perf_counter() - t0, 1)
+    times["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     info = {
         "config": hf_config,
         "dtype": DTYPES[dtype],

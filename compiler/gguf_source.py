@@ -21,7 +21,8 @@ from tallow.model_defs.registry import (
 from tallow.runtime.errors import ModelSourceError
 from tallow.runtime.manifest import TokenizerInfo
 
-from .source import ModelSource
+from .source import ModelSource, slug
+from .tokenizer_files import CHAT_TEMPLATE_FILE
 
 _TYPE_NAMES = {
     "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
@@ -29,7 +30,6 @@ _TYPE_NAMES = {
 }  # fmt: skip
 QUANT_SUFFIX_RE = re.compile(r"[.-](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _gguf():
@@ -96,18 +96,18 @@ class GGUFCheckpoint:
         """The tensor's GGUF blocks as uint8 [rows, row_bytes], rows in HF order."""
         t = self._tensors[name]
         rows = self.shape(name)[0]
-        arr = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
-        kind = name.split(".")[-2] if name.count(".") >= 2 else ""
-        if self._permute and kind in self._heads and name.endswith(".weight"):
-            arr = unpermute_rows(arr, self._heads[kind])
-        return arr
+        return self._hf_row_order(name, np.asarray(t.data).view(np.uint8).reshape(rows, -1))
 
     def get(self, name: str) -> np.ndarray:
         t = self._tensors[name]
         arr = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        return self._hf_row_order(name, arr)
+
+    def _hf_row_order(self, name: str, arr: np.ndarray) -> np.ndarray:
+        """Rows of a llama q/k weight (float or blocks alike) back in HF's order."""
         kind = name.split(".")[-2] if name.count(".") >= 2 else ""
         if self._permute and kind in self._heads and name.endswith(".weight"):
-            arr = unpermute_rows(arr, self._heads[kind])
+            return unpermute_rows(arr, self._heads[kind])
         return arr
 
 
@@ -134,8 +134,7 @@ class GGUFModelSource(ModelSource):
         m = SPLIT_RE.match(stem)
         base = m["stem"] if m else self.files[0].stem
         # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct": the format is named apart
-        base = QUANT_SUFFIX_RE.sub("", base) or base
-        return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
+        return slug(QUANT_SUFFIX_RE.sub("", base) or base)
 
     def input_files(self) -> list[Path]:
         return list(self.files)

@@ -24,7 +24,7 @@ from .pipeline import CompileState, make_work_dir
 from .quant_plan import check_quant_option, make_plan
 from .source import resolve_source, sha256_file
 from .target import DTYPES, resolve_target
-from .weights import ParamSpec, check_weight_map, write_weight_shards
+from .weights import ParamSpec, check_sources_present, check_weight_map, write_weight_shards
 
 LIBRARY_NAME = "model.so"
 
@@ -43,10 +43,7 @@ def read_config(state: CompileState) -> str:
     check_quant_option(opts.quant, opts.dtype)
     state.checkpoint = checkpoint = source.open_checkpoint()
     state.weight_map = source.weight_map(arch, config)
-    missing = sorted({s for srcs in state.weight_map.values() for s in srcs} - checkpoint.names())
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ModelSourceError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+    check_sources_present(state.weight_map, checkpoint.names())
     state.quant_plan = plan = make_plan(
         opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
     )

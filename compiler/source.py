@@ -41,17 +41,9 @@ class ModelSource:
 
     @property
     def name(self) -> str:
-        if self.gguf_file:
-            base = self.gguf_file.stem
-        elif self.hub_id:
-            base = self.hub_id.split("/")[-1]
-        else:
-            base = self.folder.name
-        return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
+        return slug(self.hub_id.split("/")[-1] if self.hub_id else self.folder.name)
 
     def input_files(self) -> list[Path]:
-        if self.kind == "gguf":
-            return list(self.weight_files)
         return sorted({*self.weight_files, *self.tokenizer_files, self.folder / "config.json"})
 
     def open_checkpoint(self):
@@ -62,6 +54,11 @@ class ModelSource:
 
     def weight_map(self, architecture, config) -> dict[str, list[str]]:
         return architecture.hf_weight_map(config)
+
+
+def slug(base: str) -> str:
+    """A model name fit for an artifact folder name."""
+    return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -27,9 +27,6 @@ _NUMPY_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
 
-# name -> array; a GGUF reader and a safetensors reader both fit behind this.
-TensorGetter = Callable[[str], np.ndarray]
-
 
 @dataclass
 class ParamSpec:
@@ -74,6 +71,13 @@ def logical_shape(p: ParamSpec, qtype: str) -> tuple[int, ...]:
     return (p.shape[0], p.shape[1] // qt.type_size * qt.block_size)
 
 
+def check_sources_present(weight_map: dict[str, list[str]], available: set[str]) -> None:
+    missing = sorted({s for srcs in weight_map.values() for s in srcs} - available)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelSourceError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+
+
 def check_weight_map(
     weight_map: dict[str, list[str]],
     params: list[ParamSpec],
@@ -82,10 +86,10 @@ def check_weight_map(
     qtype_of: Callable[[str], str] = lambda _: "none",
 ) -> None:
     """Fail before compiling if a tensor is missing or has the wrong shape."""
-    missing = sorted({s for p in params for s in weight_map.get(p.name, [p.name])} - available)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ModelSourceError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")
+    unmapped = [p.name for p in params if p.name not in weight_map]
+    if unmapped:
+        raise ModelSourceError(f"no source tensor for parameter(s): {', '.join(unmapped[:5])}")
+    check_sources_present(weight_map, available)
     for p in params:
         sources = weight_map[p.name]
         shapes = [shape_of(s) for s in sources]

@@ -6,7 +6,6 @@ Nothing here imports `tvm.relax` or the compiler: a deployed machine needs only
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +91,3 @@ def read_weights(folder: Path, manifest: Manifest) -> list[np.ndarray]:
             raise ArtifactError(f"{folder}: weight {p.name} has shape {arr.shape}, not {p.shape}")
         arrays.append(arr)
     return arrays
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))

@@ -8,6 +8,7 @@ after the weights (GPU: free device memory; CPU: available RAM). It is never mor
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int)
 def build_engine(folder: str | Path, options: EngineOptions | None = None) -> Engine:
     options = options or EngineOptions()
     manifest = Manifest.read(Path(folder))
-    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * _prod(p.shape) for p in manifest.params)
+    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in manifest.params)
     plan = plan_kv_cache(manifest, options, weight_bytes)
     chunk = options.prefill_chunk_size
     # Prefix-cache entries are live sequences in the KV cache too.
@@ -134,10 +135,3 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     return Engine(
         runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
     )
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

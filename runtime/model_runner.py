@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,54 +218,45 @@ class TVMModelRunner:
         """Append each item's tokens to its sequence; float32 logits of each last token."""
         if not items:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
-        tvm = self._tvm
         lengths = [len(toks) for _, toks in items]
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
+        logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
+        return logits.reshape(len(items), -1)[:, : self.vocab_size]
+
+    def _run(self, items: list[tuple[int, list[int]]], positions: np.ndarray) -> np.ndarray:
+        """One forward over the KV cache; logits at `positions` of the packed tokens.
+
+        A batch of single tokens at their own positions goes through `batch_decode`."""
+        tvm = self._tvm
+        lengths = [len(toks) for _, toks in items]
         ids = np.fromiter((t for _, toks in items for t in toks), dtype=np.int32)
         embeds = self._funcs["embed"](tvm.runtime.tensor(ids, self.device), self.params)
         seq_ids = tvm.runtime.ShapeTuple([s for s, _ in items])
         self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
         try:
-            if max(lengths) == 1:
+            if max(lengths) == 1 and len(positions) == len(items):
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs["batch_decode"](embeds, self.kv_cache, self.params)
             else:
-                positions = np.cumsum(lengths, dtype=np.int32) - 1
                 embeds = embeds._create_view((1, int(ids.size), self.hidden_size))
                 logits, _ = self._funcs["batch_prefill"](
                     embeds, tvm.runtime.tensor(positions, self.device), self.kv_cache, self.params
                 )
         finally:
             self._end(self.kv_cache)
-        return logits.numpy().reshape(len(items), -1)[:, : self.vocab_size]
-
-    # --- helpers ---------------------------------------------------------------------------
-    def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+        return logits.numpy()
 
 
 def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int = 0) -> np.ndarray:
     """Float32 logits after every token of `tokens` (for perplexity), chunk by chunk."""
-    tvm = runner._tvm
     runner.add_sequence(seq_id)
     out = []
     try:
         for start in range(0, len(tokens), runner.prefill_chunk_size):
             chunk = tokens[start : start + runner.prefill_chunk_size]
-            ids = tvm.runtime.tensor(np.asarray(chunk, dtype=np.int32), runner.device)
-            embeds = runner._funcs["embed"](ids, runner.params)
-            embeds = embeds._create_view((1, len(chunk), runner.hidden_size))
-            positions = tvm.runtime.tensor(np.arange(len(chunk), dtype=np.int32), runner.device)
-            shape = tvm.runtime.ShapeTuple
-            runner._begin(runner.kv_cache, shape([seq_id]), shape([len(chunk)]))
-            try:
-                logits, _ = runner._funcs["batch_prefill"](
-                    embeds, positions, runner.kv_cache, runner.params
-                )
-            finally:
-                runner._end(runner.kv_cache)
-            out.append(logits.numpy().reshape(len(chunk), -1)[:, : runner.vocab_size])
+            logits = runner._run([(seq_id, chunk)], np.arange(len(chunk), dtype=np.int32))
+            out.append(logits.reshape(len(chunk), -1)[:, : runner.vocab_size])
     finally:
         runner.remove_sequence(seq_id)
     return np.concatenate(out, axis=0)
