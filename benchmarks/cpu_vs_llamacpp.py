@@ -11,7 +11,6 @@ tallow requantize (llama.cpp keeps running the file's own types).
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ PROMPT_TOKENS = 500
 DECODE_TOKENS = 128
 
 
-def bench_tallow(gguf: Path, quant: str | None, prompt: list[int]) -> tuple[float, float]:
+def bench_tallow(
+    gguf: Path, quant: str | None, threads: int, prompt: list[int]
+) -> tuple[float, float]:
     from tallow.compiler.pipeline import CompileOptions, compile_model
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
@@ -30,7 +31,7 @@ def bench_tallow(gguf: Path, quant: str | None, prompt: list[int]) -> tuple[floa
         art = compile_model(
             CompileOptions(model=str(gguf), quant=quant, output=Path(tmp), quiet=True)
         )
-        runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512))
+        runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512), threads=threads)
         runner.add_sequence(0)
         t = time.perf_counter()
         logits = runner.forward([(0, prompt)])
@@ -71,10 +72,9 @@ def main() -> None:
     ap.add_argument("--quant", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     gguf = args.gguf or default_model_path()
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 20000, size=PROMPT_TOKENS)]
-    ours = bench_tallow(gguf, args.quant, prompt)
+    ours = bench_tallow(gguf, args.quant, args.threads, prompt)
     theirs = bench_llamacpp(gguf, args.threads, prompt)
     print(
         f"{gguf.name}, {args.threads} threads, greedy; tallow weights: {args.quant or 'as in file'}"

@@ -97,6 +97,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
 
 def _add_inspect(sub) -> None:
@@ -146,6 +147,7 @@ def _add_serve(sub) -> None:
         help="seconds in-flight requests get to finish after SIGTERM (default 30)",
     )
     p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +229,7 @@ def _run_serve(args) -> int:
             memory_fraction=args.gpu_memory_fraction,
             prefix_cache=not args.no_prefix_cache,
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+            threads=args.threads,
         ),
     )
     options = ServerOptions(

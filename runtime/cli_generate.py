@@ -46,7 +46,10 @@ def run_generate(args) -> int:
         raise TallowError(str(e)) from e
     t_load = time.perf_counter()
     runner = TVMModelRunner(
-        args.artifact, device=args.device, kv=KVCacheConfig(max_batch_size=1, max_total_tokens=0)
+        args.artifact,
+        device=args.device,
+        kv=KVCacheConfig(max_batch_size=1, max_total_tokens=0),
+        threads=args.threads,
     )
     load_seconds = time.perf_counter() - t_load
     prompt_ids = encode_prompt(runner, prompt, args.chat, args.system)

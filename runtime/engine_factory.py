@@ -34,6 +34,7 @@ class EngineOptions:
     memory_fraction: float | None = None  # GPU: of free device memory; CPU: of available RAM
     prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
+    threads: int | None = None  # CPU kernel threads; None: every usable CPU
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     runner = TVMModelRunner(
         folder,
         device=options.device,
+        threads=options.threads,
         kv=KVCacheConfig(
             max_batch_size=options.max_num_seqs + entries,
             max_total_tokens=plan.total_tokens,

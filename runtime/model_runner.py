@@ -22,6 +22,7 @@ from .artifact import (
     parse_device,
     read_weights,
 )
+from .cpu_threads import configure_cpu_threads
 from .errors import ArtifactError
 from .manifest import Manifest
 
@@ -136,11 +137,14 @@ class TVMModelRunner:
         folder: str | Path,
         device: str | None = None,
         kv: KVCacheConfig | None = None,
+        threads: int | None = None,
     ):
         self.folder = Path(folder)
         self.manifest = Manifest.read(self.folder)
         check_artifact_files(self.folder, self.manifest)
         kind, index = parse_device(device, self.manifest)
+        if kind == "cpu":
+            self.threads = configure_cpu_threads(threads)  # before the first kernel runs
         tvm, tvm_vm = _load_tvm()
         self._tvm = tvm
         self.device = _device(tvm, kind, index, self.manifest)
@@ -169,10 +173,8 @@ class TVMModelRunner:
         self.prefill_chunk_size = kv.prefill_chunk_size
         total = kv.max_total_tokens or self.context_window * max(1, kv.max_batch_size // 4)
         total = max(total, self.page_size)
-        self._funcs = {
-            name: self.vm[name]
-            for name in ("embed", "batch_prefill", "batch_decode", "create_paged_kv_cache")
-        }
+        names = ("embed", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache")
+        self._funcs = {name: self.vm[name] for name in names}
         get = tvm.get_global_func
         self._add_seq = get("vm.builtin.kv_state_add_sequence")
         self._fork_seq = get("vm.builtin.kv_state_fork_sequence")
@@ -227,7 +229,7 @@ class TVMModelRunner:
     def _run(self, items: list[tuple[int, list[int]]], positions: np.ndarray) -> np.ndarray:
         """One forward over the KV cache; logits at `positions` of the packed tokens.
 
-        A batch of single tokens at their own positions goes through `batch_decode`."""
+        Single tokens at their own positions go through `decode` (one) or `batch_decode`."""
         tvm = self._tvm
         lengths = [len(toks) for _, toks in items]
         ids = np.fromiter((t for _, toks in items for t in toks), dtype=np.int32)
@@ -236,8 +238,11 @@ class TVMModelRunner:
         self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
         try:
             if max(lengths) == 1 and len(positions) == len(items):
+                # One sequence: `decode` has batch 1 built in, so its kernels carry no
+                # row-tile predicates (CPU: 1.7x faster matmuls) and CUDA captures it in a graph.
+                name = "decode" if len(items) == 1 else "batch_decode"
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
-                logits, _ = self._funcs["batch_decode"](embeds, self.kv_cache, self.params)
+                logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)
             else:
                 embeds = embeds._create_view((1, int(ids.size), self.hidden_size))
                 logits, _ = self._funcs["batch_prefill"](

@@ -115,8 +115,9 @@ def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
 def schedule_module(mod: tvm.IRModule, target) -> tvm.IRModule:
     # Quantized matmuls first: the float rule below would also match them, but would decode
     # every weight inside the K loop instead of a block at a time.
-    from . import cpu_quant
+    from . import cpu_attention, cpu_quant
 
+    mod = cpu_attention.replace_attention_kernels(mod)
     mod = cpu_quant.schedule_module(mod, target)
     updated = {}
     for gv, func in mod.functions_items():

@@ -1,0 +1,362 @@
+"""CPU attention kernels for TVM's paged KV cache, in place of its reference ones.
+
+`TIRPagedKVCache` builds its CPU (llvm) attention kernels as single-threaded scalar loops,
+and its paged prefill walks the whole cache capacity for every query row. Measured on
+SmolLM2-135M (2 cores): attention was 2.9 s of a 7.2 s prefill of 500 tokens and 19 ms of
+a 62 ms decode step at 500 tokens of context. The kernels here keep the same signatures and
+the same results (output, and the log2-sum-exp `lse` that the cache uses to merge partial
+attentions), and are
+
+* parallel over (query head, query row): head-major, so the two halves of a causal
+  triangle land on different threads with equal work;
+* vectorised over head_dim: 8-lane partial dot products, vector rescale and accumulate;
+* one pass per row with an online softmax that rescales only when the running max grows;
+* bounded by the sequence's own length, not the cache's capacity.
+
+Scores are in the log2 domain (q.k * sm_scale * log2(e)), as in TVM's kernels, so `lse`
+means the same to the merge kernel. They apply only when the cache applies RoPE before
+appending (`RopeMode.NORMAL`, which every tallow model uses): `rotary_mode` is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+LANES = 8  # f32 lanes of an AVX2 register: the dot product's partial sums
+LOG2E = math.log2(math.e)
+NEG = -5e4  # TVM's kernels start the running max here; masked rows score this
+
+# The cache's CPU kernels, by their names in the module (TVM 0.27, non-sliding-window).
+DECODE = "batch_decode_paged_kv_cpu"
+PREFILL_RAGGED = "batch_prefill_ragged_kv"
+PREFILL_PAGED = "batch_prefill_paged_kv_cpu"
+
+
+def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
+    group = h_q // h_kv
+    nd = d // LANES
+
+    @T.prim_func(s_tir=True)
+    def decode(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        off_indptr = T.int32()
+        off_values = T.int32()
+        off_len = T.int32()
+        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=off_indptr)
+        values = T.match_buffer(
+            page_table_values_handle, (nnz_pages,), "int32", elem_offset=off_values
+        )
+        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
+
+        for hb in T.parallel(h_q * B):
+            with T.sblock("attn"):
+                T.reads()  # declared, not inferred: the regions depend on page tables
+                T.writes()
+                o_acc = T.sblock_alloc_buffer((d,), "float32")
+                qv = T.sblock_alloc_buffer((d,), "float32")
+                acc = T.sblock_alloc_buffer((LANES,), "float32")
+                st = T.sblock_alloc_buffer((3,), "float32")  # running max, sum, score
+                h: T.let[T.int32] = hb // B
+                b: T.let[T.int32] = hb % B
+                hk: T.let[T.int32] = h // group
+                begin: T.let[T.int32] = indptr[b]
+                n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
+                n: T.let[T.int32] = T.if_then_else(
+                    n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0
+                )
+                st[0] = T.float32(NEG)
+                st[1] = T.float32(1.0)
+                for i in T.vectorized(d):
+                    o_acc[i] = T.float32(0)
+                    qv[i] = T.Cast("float32", Q[b, h, i]) * sm_scale * T.float32(LOG2E)
+                for j in T.serial(n):
+                    page: T.let[T.int32] = values[begin + j // page_size]
+                    slot: T.let[T.int32] = j % page_size
+                    for ln in T.vectorized(LANES):
+                        acc[ln] = T.float32(0)
+                    for c in T.serial(nd):
+                        for ln in T.vectorized(LANES):
+                            acc[ln] += qv[c * LANES + ln] * T.Cast(
+                                "float32", pages[page, 0, hk, slot, c * LANES + ln]
+                            )
+                    st[2] = acc[0]
+                    for ln in T.serial(1, LANES):
+                        st[2] += acc[ln]
+                    if st[2] > st[0]:
+                        st[1] *= T.exp2(st[0] - st[2])
+                        for i in T.vectorized(d):
+                            o_acc[i] *= T.exp2(st[0] - st[2])
+                        st[0] = st[2]
+                    st[2] = T.exp2(st[2] - st[0])
+                    st[1] += st[2]
+                    for i in T.vectorized(d):
+                        o_acc[i] += st[2] * T.Cast("float32", pages[page, 1, hk, slot, i])
+                for i in T.vectorized(d):
+                    output[b, h, i] = T.Cast(dtype, o_acc[i] / st[1])
+                lse[b, h] = st[0] + T.log2(st[1])
+
+    return decode
+
+
+def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
+    group = h_q // h_kv
+    nd = d // LANES
+
+    @T.prim_func(s_tir=True)
+    def prefill_ragged(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        off_q_indptr = T.int32()
+        off_kv_indptr = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=off_q_indptr
+        )
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        kv_indptr = T.match_buffer(
+            var_kv_indptr, (batch_size + 1,), "int32", elem_offset=off_kv_indptr
+        )
+        # unused (RoPE is applied before append) but binds batch_size for the signature
+        _k_rope = T.match_buffer(
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
+        )
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+
+        for hr in T.parallel(h_q * qo_len):
+            with T.sblock("attn"):
+                T.reads()  # declared, not inferred: the regions depend on page tables
+                T.writes()
+                o_acc = T.sblock_alloc_buffer((d,), "float32")
+                qv = T.sblock_alloc_buffer((d,), "float32")
+                acc = T.sblock_alloc_buffer((LANES,), "float32")
+                st = T.sblock_alloc_buffer((3,), "float32")
+                seq = T.sblock_alloc_buffer((1,), "int32")
+                h: T.let[T.int32] = hr // qo_len
+                row: T.let[T.int32] = hr % qo_len
+                hk: T.let[T.int32] = h // group
+                seq[0] = 0  # the sequence that owns query row `row`
+                for s in T.serial(batch_size):
+                    if q_indptr[s + 1] <= row:
+                        seq[0] = s + 1
+                b: T.let[T.int32] = seq[0]
+                kv0: T.let[T.int32] = kv_indptr[b]
+                n_kv: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                n: T.let[T.int32] = T.if_then_else(
+                    causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
+                )
+                st[0] = T.float32(NEG)
+                st[1] = T.float32(1.0)
+                for i in T.vectorized(d):
+                    o_acc[i] = T.float32(0)
+                    qv[i] = T.Cast("float32", q[row, h, i]) * sm_scale * T.float32(LOG2E)
+                for j in T.serial(n):
+                    for ln in T.vectorized(LANES):
+                        acc[ln] = T.float32(0)
+                    for c in T.serial(nd):
+                        for ln in T.vectorized(LANES):
+                            acc[ln] += qv[c * LANES + ln] * T.Cast(
+                                "float32", k[kv0 + j, hk, c * LANES + ln]
+                            )
+                    st[2] = acc[0]
+                    for ln in T.serial(1, LANES):
+                        st[2] += acc[ln]
+                    if st[2] > st[0]:
+                        st[1] *= T.exp2(st[0] - st[2])
+                        for i in T.vectorized(d):
+                            o_acc[i] *= T.exp2(st[0] - st[2])
+                        st[0] = st[2]
+                    st[2] = T.exp2(st[2] - st[0])
+                    st[1] += st[2]
+                    for i in T.vectorized(d):
+                        o_acc[i] += st[2] * T.Cast("float32", v[kv0 + j, hk, i])
+                for i in T.vectorized(d):
+                    output[row, h, i] = T.Cast(dtype, o_acc[i] / st[1])
+                lse[row, h] = st[0] + T.log2(st[1])
+
+    return prefill_ragged
+
+
+def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
+    group = h_q // h_kv
+    nd = d // LANES
+
+    @T.prim_func(s_tir=True)
+    def prefill_paged(
+        var_q: T.handle,
+        var_q_indptr: T.handle,
+        var_pages: T.handle,
+        var_page_indptr: T.handle,
+        var_page_values: T.handle,
+        var_length_info: T.handle,
+        var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle,
+        var_output: T.handle,
+        var_lse: T.handle,
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        off_q_indptr = T.int32()
+        off_indptr = T.int32()
+        off_values = T.int32()
+        off_len = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=off_q_indptr
+        )
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=off_indptr)
+        values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=off_values)
+        last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=off_len)
+        _k_rope = T.match_buffer(
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
+        )
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+
+        for hr in T.parallel(h_q * total_len):
+            with T.sblock("attn"):
+                T.reads()  # declared, not inferred: the regions depend on page tables
+                T.writes()
+                o_acc = T.sblock_alloc_buffer((d,), "float32")
+                qv = T.sblock_alloc_buffer((d,), "float32")
+                acc = T.sblock_alloc_buffer((LANES,), "float32")
+                st = T.sblock_alloc_buffer((3,), "float32")
+                seq = T.sblock_alloc_buffer((1,), "int32")
+                h: T.let[T.int32] = hr // total_len
+                row: T.let[T.int32] = hr % total_len
+                hk: T.let[T.int32] = h // group
+                seq[0] = 0
+                for s in T.serial(batch_size):
+                    if q_indptr[s + 1] <= row:
+                        seq[0] = s + 1
+                b: T.let[T.int32] = seq[0]
+                begin: T.let[T.int32] = indptr[b]
+                n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
+                n_kv: T.let[T.int32] = T.if_then_else(
+                    n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0
+                )
+                n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                n: T.let[T.int32] = T.max(
+                    0,
+                    T.if_then_else(
+                        causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
+                    ),
+                )
+                st[0] = T.float32(NEG)
+                st[1] = T.float32(1.0)
+                for i in T.vectorized(d):
+                    o_acc[i] = T.float32(0)
+                    qv[i] = T.Cast("float32", q[row, h, i]) * sm_scale * T.float32(LOG2E)
+                for j in T.serial(n):
+                    page: T.let[T.int32] = values[begin + j // page_size]
+                    slot: T.let[T.int32] = j % page_size
+                    for ln in T.vectorized(LANES):
+                        acc[ln] = T.float32(0)
+                    for c in T.serial(nd):
+                        for ln in T.vectorized(LANES):
+                            acc[ln] += qv[c * LANES + ln] * T.Cast(
+                                "float32", pages[page, 0, hk, slot, c * LANES + ln]
+                            )
+                    st[2] = acc[0]
+                    for ln in T.serial(1, LANES):
+                        st[2] += acc[ln]
+                    if st[2] > st[0]:
+                        st[1] *= T.exp2(st[0] - st[2])
+                        for i in T.vectorized(d):
+                            o_acc[i] *= T.exp2(st[0] - st[2])
+                        st[0] = st[2]
+                    st[2] = T.exp2(st[2] - st[0])
+                    st[1] += st[2]
+                    for i in T.vectorized(d):
+                        o_acc[i] += st[2] * T.Cast("float32", pages[page, 1, hk, slot, i])
+                for i in T.vectorized(d):
+                    output[row, h, i] = T.Cast(dtype, o_acc[i] / st[1])
+                lse[row, h] = st[0] + T.log2(st[1])
+
+    return prefill_paged
+
+
+def _shape(func, index: int) -> tuple[list, str]:
+    buf = func.params[index]  # TVM 0.27 PrimFunc parameters carry their buffer's shape
+    return [int(x) if isinstance(x, tvm.tirx.IntImm) else None for x in buf.shape], str(buf.dtype)
+
+
+def _replacement(name: str, func):
+    """Our kernel for the cache kernel `name`, sized from its buffers; None if not ours."""
+    if name == DECODE:
+        (_, h_q, d), dtype = _shape(func, 0)
+        (_, _, h_kv, page_size, _), _ = _shape(func, 1)
+        return _decode(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
+    if name == PREFILL_RAGGED:
+        (_, h_q, d), dtype = _shape(func, 0)
+        (_, h_kv, d_v), _ = _shape(func, 3)
+        return _prefill_ragged(h_kv, h_q, d, dtype) if d == d_v and d % LANES == 0 else None
+    if name == PREFILL_PAGED:
+        (_, h_q, d), dtype = _shape(func, 0)
+        (_, _, h_kv, page_size, _), _ = _shape(func, 2)
+        return _prefill_paged(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
+    return None
+
+
+def replace_attention_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Swap the KV cache's CPU attention kernels in `mod` for the ones above."""
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        ours = _replacement(gv.name_hint, func)
+        if ours is not None:
+            symbol = func.attrs.get("global_symbol") if func.attrs else None
+            mod[gv] = ours.with_attr("global_symbol", symbol) if symbol else ours
+    return mod
