@@ -33,8 +33,11 @@ def _passes(spec: TargetSpec, target):
 
     from tallow.schedules import schedule_pass_for
 
+    from .noalias_pass import mark_noalias
+
     # CUDA graphs: captured after memory planning, so the graph replays fixed buffers.
     graphs = [T.RewriteCUDAGraph()] if spec.kind == "cuda" else []
+    noalias = [mark_noalias()] if spec.kind == "cpu" else []
     return [
         T.FuseTransposeMatmul(),
         relax.backend.DispatchSampling(),
@@ -58,6 +61,7 @@ def _passes(spec: TargetSpec, target):
         T.ComputePrimValue(),
         T.VMShapeLower(),
         T.AttachGlobalSymbol(),
+        *noalias,
     ]
 
 

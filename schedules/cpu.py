@@ -22,6 +22,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
+from .cpu_tiled import schedule_tiled_matmul
+
 log = logging.getLogger(__name__)
 
 ROWS = 4  # token rows sharing one pass over the weights in prefill
@@ -58,9 +60,13 @@ def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
     if dtype not in ("float32", "float16"):  # LLVM has no vector bf16 arithmetic on x86
         return False
     *m_loops, n, k = loops
-    m = sch.fuse(*m_loops) if len(m_loops) > 1 else (m_loops[0] if m_loops else None)
-    if m is None:
+    if not m_loops:
         return False
+    if dtype == "float32" and any(_static(sch.get(loop).extent) is None for loop in m_loops):
+        epilogues = [info.block_rv for info in infos[1:]]
+        if schedule_tiled_matmul(sch, block, None, epilogues, target):
+            return True
+    m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
     mo, mi = sch.split(m, [None, ROWS])
     no, ni = sch.split(n, [None, N_CHUNK])
     ko, ki = sch.split(k, [None, lanes])

@@ -26,6 +26,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .cpu import _static, _vector_lanes
+from .cpu_tiled import schedule_tiled_matmul, tile_for
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,19 @@ def _is_quant_matmul(sch: s_tir.Schedule):
 
 
 def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
-    """Schedule `sch` (a fused dequantize-matmul kernel) in place; False if it does not match."""
+    """Schedule `sch` (a fused dequantize-matmul kernel) in place; False if it does not match.
+
+    A kernel whose token count is known (decode: one row) gets the matrix-vector schedule
+    below; one with a symbolic token count (prefill, batched decode) gets the tiled one.
+    """
     found = _is_quant_matmul(sch)
     if found is None:
         return False
     deq, mm, epilogues, m_loops, n, k = found
+    m_static = all(_static(sch.get(loop).extent) is not None for loop in m_loops)
+    n_ext = _static(sch.get(n).extent)
+    if not m_static and tile_for(n_ext) is not None:
+        return schedule_tiled_matmul(sch, mm, deq, epilogues, target)
     dtype = str(sch.get(mm).writes[0].source.dtype)
     lanes = min(_vector_lanes(target, dtype), K_TILE)
 

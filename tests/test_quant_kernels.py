@@ -130,8 +130,17 @@ def _check_one_kernel(fused, scheduled):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_quant_linear_fused_matches_numpy(qtype):
+    _check_linear(qtype, 256 + 48 if BLOCK[qtype][0] == 32 else 256)
+
+
+@pytest.mark.parametrize("n", [200, 40])
+def test_quant_linear_without_a_whole_column_tile(n):
+    """N divisible by neither column tile (24, 16): the matrix-vector schedule serves."""
+    _check_linear("q4_0", n)
+
+
+def _check_linear(qtype, n):
     k = 512
-    n = 256 + 48 if BLOCK[qtype][0] == 32 else 256  # N not a multiple of the chunk for some
     b = _blocks(qtype, n, k, seed=2)
     fused, scheduled, vm = _build(
         _LinearResidual(k, n, qtype),
