@@ -319,8 +319,10 @@ class Engine:
         penal = [
             p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
         ]
+        # Every row sampled once, in order (plain decode): no 3 MB fancy-index copy at batch 16.
+        same_rows = rows == list(range(len(logits)))
         out = self.sampler.sample(
-            logits[rows],
+            logits if same_rows else logits[rows],
             params,
             [st.generator for st in states],
             [

@@ -82,17 +82,26 @@ def _is_quant_matmul(sch: s_tir.Schedule):
 def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
     """Schedule `sch` (a fused dequantize-matmul kernel) in place; False if it does not match.
 
-    A kernel whose token count is known (decode: one row) gets the matrix-vector schedule
-    below; one with a symbolic token count (prefill, batched decode) gets the tiled one.
+    The matrix-vector schedule below serves a known token count (decode of one sequence)
+    and batched decode (`[batch, 1, K]`, a few rows: its rows are padded to whole tiles so
+    the tile needs no predicate). Prefill (`[1, tokens, K]`, up to a whole chunk) gets the
+    tiled schedule of `cpu_tiled`, which decodes each weight once for all its rows.
+    Measured for SmolLM2's gate/up projection: 4 rows 0.50 ms tiled vs 0.2 ms here.
     """
     found = _is_quant_matmul(sch)
     if found is None:
         return False
     deq, mm, epilogues, m_loops, n, k = found
-    m_static = all(_static(sch.get(loop).extent) is not None for loop in m_loops)
-    n_ext = _static(sch.get(n).extent)
-    if not m_static and tile_for(n_ext) is not None:
-        return schedule_tiled_matmul(sch, mm, deq, epilogues, target)
+    symbolic = [_static(sch.get(loop).extent) is None for loop in m_loops]
+    copy_out = None
+    if any(symbolic):
+        batched_decode = len(m_loops) > 1 and _static(sch.get(m_loops[-1]).extent) == 1
+        if not batched_decode and tile_for(_static(sch.get(n).extent)) is not None:
+            return schedule_tiled_matmul(sch, mm, deq, epilogues, target)
+        if batched_decode and sum(symbolic) == 1:
+            sch.pad_einsum(mm, [ROWS if s else 1 for s in symbolic] + [1, 1])
+            (copy_out,) = sch.get_consumers(mm)
+            *m_loops, n, k = sch.get_loops(mm)
     dtype = str(sch.get(mm).writes[0].source.dtype)
     lanes = min(_vector_lanes(target, dtype), K_TILE)
 
@@ -120,7 +129,7 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
     sch.unroll(d_o)
 
     sch.reverse_compute_at(mm, ni)
-    for block in epilogues:
+    for block in [copy_out] * (copy_out is not None) + epilogues:
         sch.reverse_compute_at(block, ni)
     sch.parallel(no)  # before decompose_reduction: parallel needs the rf block to keep its init
     sch.decompose_reduction(rf, ko)

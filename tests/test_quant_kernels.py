@@ -173,6 +173,23 @@ def test_quant_linear_3d_input_and_larger_k():
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", ["q4_1", "q5_0", "q6k"])
+def test_batched_decode_shape_matches_numpy(qtype):
+    """[batch, 1, K] as batch_decode passes it: rows padded to whole tiles, tails cut off."""
+    k, n = 512, 304
+    b = _blocks(qtype, n, k, seed=6)
+    fused, scheduled, vm = _build(
+        QuantLinear(k, n, qtype), {"x": nn.spec.Tensor(["b", 1, k], "float32")}
+    )
+    _check_one_kernel(fused, scheduled)
+    w = _gguf_dequant(b, qtype, n, k).astype(np.float64)
+    rng = np.random.default_rng(7)
+    for batch in (1, 3, 6):
+        x = rng.standard_normal((batch, 1, k)).astype(np.float32)
+        out = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(b)).numpy()
+        np.testing.assert_allclose(out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
+
+
 def test_schedule_rejects_other_kernels():
     x = te.placeholder((4, 64), "float32", name="x")
     y = te.compute((4, 64), lambda i, j: x[i, j] * 2.0, name="dequantize")
