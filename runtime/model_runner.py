@@ -238,9 +238,11 @@ class TVMModelRunner:
         self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
         try:
             if max(lengths) == 1 and len(positions) == len(items):
-                # One sequence: `decode` has batch 1 built in, so its kernels carry no
-                # row-tile predicates (CPU: 1.7x faster matmuls) and CUDA captures it in a graph.
-                name = "decode" if len(items) == 1 else "batch_decode"
+                # One sequence on the CPU: `decode` has batch 1 built in, so its kernels carry
+                # no row padding (1.7x faster matmuls). GPU artifacts keep `batch_decode` until
+                # the CUDA-graph-captured `decode` has been checked on a device.
+                single = len(items) == 1 and self.manifest.target.kind == "cpu"
+                name = "decode" if single else "batch_decode"
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)
             else:

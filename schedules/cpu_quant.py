@@ -5,11 +5,12 @@ a reduction block `out[m..., n] = sum_k x[m..., k] * dequantize[n, k]`, and opti
 elementwise epilogue blocks that FuseOps fused in (bias, residual add).
 
 Unscheduled, the dequantize block would write all of W in full precision to a scratch
-buffer. The schedule instead:
+buffer. Prefill kernels (a symbolic token axis) go to the tiled schedule of `cpu_tiled`.
+The matrix-vector schedule here serves decode (one row) and batched decode:
 
 * splits N into chunks that run on the thread pool (`parallel`), as the float schedule does;
-* tiles the rows of x by `ROWS`, so one decoded piece of W serves `ROWS` tokens in prefill
-  (decode has M = 1, then the tile shrinks to 1);
+* tiles the rows of x by `ROWS`, so one decoded piece of W serves `ROWS` sequences in a
+  batched decode (rows padded to whole tiles first; with one row the tile shrinks to 1);
 * walks K in tiles of 32 weights (a legacy block, a K-quant sub-block) and `compute_at`s the
   dequantize block there: 32 values are decoded into a local buffer (vectorised by the lane
   width, so per-block scales are decoded once per vector, not per weight) and consumed
@@ -30,7 +31,7 @@ from .cpu_tiled import schedule_tiled_matmul, tile_for
 
 log = logging.getLogger(__name__)
 
-ROWS = 4  # token rows sharing one decoded tile of W in prefill
+ROWS = 4  # rows (sequences) sharing one decoded tile of W in a batched decode
 N_CHUNK = 16  # output columns per parallel task
 K_TILE = 32  # weights decoded per step: one legacy block / one K-quant sub-block
 
