@@ -31,7 +31,8 @@ from .cpu_tiled import schedule_tiled_matmul, tile_for
 
 log = logging.getLogger(__name__)
 
-ROWS = 4  # rows (sequences) sharing one decoded tile of W in a batched decode
+ROWS = 8  # rows (sequences) sharing one decoded tile of W in a batched decode
+ROW_LANES = 8  # lanes of the partial sums with ROWS rows: 8 accumulator registers
 N_CHUNK = 16  # output columns per parallel task
 K_TILE = 32  # weights decoded per step: one legacy block / one K-quant sub-block
 
@@ -87,7 +88,8 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
     and batched decode (`[batch, 1, K]`, a few rows: its rows are padded to whole tiles so
     the tile needs no predicate). Prefill (`[1, tokens, K]`, up to a whole chunk) gets the
     tiled schedule of `cpu_tiled`, which decodes each weight once for all its rows.
-    Measured for SmolLM2's gate/up projection: 4 rows 0.50 ms tiled vs 0.2 ms here.
+    Measured for SmolLM2's gate/up projection: 4 rows 0.50 ms tiled vs 0.25 ms here; the
+    engine's 16-sequence decode went from 127 to 142 tok/s with 8-row tiles instead of 4.
     """
     found = _is_quant_matmul(sch)
     if found is None:
@@ -105,6 +107,8 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
             *m_loops, n, k = sch.get_loops(mm)
     dtype = str(sch.get(mm).writes[0].source.dtype)
     lanes = min(_vector_lanes(target, dtype), K_TILE)
+    if copy_out is not None:
+        lanes = min(lanes, ROW_LANES)  # ROWS x lanes partial sums must fit in registers
 
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
     m_ext = _static(sch.get(m).extent)
