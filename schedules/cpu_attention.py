@@ -55,7 +55,7 @@ def _exp2(x):
     return poly * scale
 
 
-def _attend(paged: bool, d: int, page_size: int):
+def _attend(paged: bool, d: int, page_size: int, dtype: str):
     """The online-softmax loop of one query row over `n` key rows, shared by the kernels.
 
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
@@ -65,7 +65,13 @@ def _attend(paged: bool, d: int, page_size: int):
     nd = d // LANES
 
     @T.macro
-    def attend(o_acc, qv, acc, sc, st, n, k, v, values, base, hk):
+    def attend(q, qi, h, sm_scale, n, k, v, values, base, hk, output, lse):
+        o_acc, qv, acc, sc, st = _state(d)
+        st[0] = T.float32(NEG)
+        st[1] = T.float32(1.0)
+        for i in T.vectorized(d):
+            o_acc[i] = T.float32(0)
+            qv[i] = T.Cast("float32", q[qi, h, i]) * sm_scale * T.float32(LOG2E)
         for t in T.serial((n + TILE - 1) // TILE):
             for r in T.serial(TILE):
                 if t * TILE + r < n:
@@ -122,8 +128,20 @@ def _attend(paged: bool, d: int, page_size: int):
                             )
                         else:
                             o_acc[i] += sc[r] * T.Cast("float32", v[base + t * TILE + r, hk, i])
+        for i in T.vectorized(d):
+            output[qi, h, i] = T.Cast(dtype, o_acc[i] / st[1])
+        lse[qi, h] = st[0] + T.log2(st[1])
 
     return attend
+
+
+@T.macro
+def _owner(seq, q_indptr, batch_size, row):
+    """seq[0] = the sequence whose query rows include `row`."""
+    seq[0] = 0
+    for s in T.serial(batch_size):
+        if q_indptr[s + 1] <= row:
+            seq[0] = s + 1
 
 
 # The cache's CPU kernels, by their names in the module (TVM 0.27, non-sliding-window).
@@ -145,7 +163,7 @@ def _state(d: int):
 
 def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
     group = h_q // h_kv
-    attend = _attend(True, d, page_size)
+    attend = _attend(True, d, page_size, dtype)
 
     @T.prim_func(s_tir=True)
     def decode(
@@ -181,29 +199,22 @@ def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
             with T.sblock("attn"):
                 T.reads()  # declared, not inferred: the regions depend on page tables
                 T.writes()
-                o_acc, qv, acc, sc, st = _state(d)
                 h: T.let[T.int32] = hb // B
                 b: T.let[T.int32] = hb % B
                 n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
                 n: T.let[T.int32] = T.if_then_else(
                     n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0
                 )
-                st[0] = T.float32(NEG)
-                st[1] = T.float32(1.0)
-                for i in T.vectorized(d):
-                    o_acc[i] = T.float32(0)
-                    qv[i] = T.Cast("float32", Q[b, h, i]) * sm_scale * T.float32(LOG2E)
-                attend(o_acc, qv, acc, sc, st, n, pages, pages, values, indptr[b], h // group)
-                for i in T.vectorized(d):
-                    output[b, h, i] = T.Cast(dtype, o_acc[i] / st[1])
-                lse[b, h] = st[0] + T.log2(st[1])
+                attend(
+                    Q, b, h, sm_scale, n, pages, pages, values, indptr[b], h // group, output, lse
+                )
 
     return decode
 
 
 def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
     group = h_q // h_kv
-    attend = _attend(False, d, 1)
+    attend = _attend(False, d, 1, dtype)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -242,36 +253,26 @@ def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                o_acc, qv, acc, sc, st = _state(d)
                 seq = T.sblock_alloc_buffer((1,), "int32")
                 h: T.let[T.int32] = hr // qo_len
                 row: T.let[T.int32] = hr % qo_len
-                seq[0] = 0  # the sequence that owns query row `row`
-                for s in T.serial(batch_size):
-                    if q_indptr[s + 1] <= row:
-                        seq[0] = s + 1
+                _owner(seq, q_indptr, batch_size, row)
                 b: T.let[T.int32] = seq[0]
                 n_kv: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
                 n_q: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
                 n: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
                 )
-                st[0] = T.float32(NEG)
-                st[1] = T.float32(1.0)
-                for i in T.vectorized(d):
-                    o_acc[i] = T.float32(0)
-                    qv[i] = T.Cast("float32", q[row, h, i]) * sm_scale * T.float32(LOG2E)
-                attend(o_acc, qv, acc, sc, st, n, k, v, kv_indptr, kv_indptr[b], h // group)
-                for i in T.vectorized(d):
-                    output[row, h, i] = T.Cast(dtype, o_acc[i] / st[1])
-                lse[row, h] = st[0] + T.log2(st[1])
+                attend(
+                    q, row, h, sm_scale, n, k, v, kv_indptr, kv_indptr[b], h // group, output, lse
+                )
 
     return prefill_ragged
 
 
 def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
     group = h_q // h_kv
-    attend = _attend(True, d, page_size)
+    attend = _attend(True, d, page_size, dtype)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -311,14 +312,10 @@ def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
-                o_acc, qv, acc, sc, st = _state(d)
                 seq = T.sblock_alloc_buffer((1,), "int32")
                 h: T.let[T.int32] = hr // total_len
                 row: T.let[T.int32] = hr % total_len
-                seq[0] = 0
-                for s in T.serial(batch_size):
-                    if q_indptr[s + 1] <= row:
-                        seq[0] = s + 1
+                _owner(seq, q_indptr, batch_size, row)
                 b: T.let[T.int32] = seq[0]
                 n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
                 n_kv: T.let[T.int32] = T.if_then_else(
@@ -331,15 +328,9 @@ def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                         causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
                     ),
                 )
-                st[0] = T.float32(NEG)
-                st[1] = T.float32(1.0)
-                for i in T.vectorized(d):
-                    o_acc[i] = T.float32(0)
-                    qv[i] = T.Cast("float32", q[row, h, i]) * sm_scale * T.float32(LOG2E)
-                attend(o_acc, qv, acc, sc, st, n, pages, pages, values, indptr[b], h // group)
-                for i in T.vectorized(d):
-                    output[row, h, i] = T.Cast(dtype, o_acc[i] / st[1])
-                lse[row, h] = st[0] + T.log2(st[1])
+                attend(
+                    q, row, h, sm_scale, n, pages, pages, values, indptr[b], h // group, output, lse
+                )
 
     return prefill_paged
 
