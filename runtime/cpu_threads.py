@@ -25,8 +25,8 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def configure_cpu_threads(threads: int | None = None) -> int:
-    """Set the pool size for kernels launched from now on; returns the size chosen.
+def configure_cpu_threads(threads: int | None = None) -> None:
+    """Set the pool size for kernels launched from now on.
 
     `threads` None keeps a user's TVM_NUM_THREADS / OMP_NUM_THREADS and otherwise uses every
     usable CPU. A thread whose pool already exists keeps its size (TVM cannot resize it).
@@ -37,6 +37,4 @@ def configure_cpu_threads(threads: int | None = None) -> int:
         os.environ["TVM_NUM_THREADS"] = str(threads)
     elif "TVM_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
         os.environ["TVM_NUM_THREADS"] = str(usable_cpus())
-    chosen = int(os.environ.get("TVM_NUM_THREADS") or os.environ["OMP_NUM_THREADS"])
-    log.info("CPU kernels run on %d threads", chosen)
-    return chosen
+    log.info("CPU kernel threads: %s", os.environ.get("TVM_NUM_THREADS", "OMP_NUM_THREADS"))

@@ -144,7 +144,7 @@ class TVMModelRunner:
         check_artifact_files(self.folder, self.manifest)
         kind, index = parse_device(device, self.manifest)
         if kind == "cpu":
-            self.threads = configure_cpu_threads(threads)  # before the first kernel runs
+            configure_cpu_threads(threads)  # before the first kernel runs
         tvm, tvm_vm = _load_tvm()
         self._tvm = tvm
         self.device = _device(tvm, kind, index, self.manifest)

@@ -22,7 +22,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from .cpu_tiled import schedule_tiled_matmul
+from .cpu_tiled import _static, schedule_tiled_matmul
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,6 @@ def _vector_lanes(target, dtype: str) -> int:
     bits = tvm.target.codegen.llvm_get_vector_width(target) if target else 256
     lanes = max(1, int(bits) // tvm.DataType(dtype).bits)
     return min(lanes, 16)
-
-
-def _static(extent) -> int | None:
-    return int(extent) if isinstance(extent, tirx.IntImm | int) else None
 
 
 def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:

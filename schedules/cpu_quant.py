@@ -32,7 +32,7 @@ from .cpu_tiled import schedule_tiled_matmul, tile_for
 log = logging.getLogger(__name__)
 
 ROWS = 8  # rows (sequences) sharing one decoded tile of W in a batched decode
-ROW_LANES = 8  # lanes of the partial sums with ROWS rows: 8 accumulator registers
+ROW_LANES = 8  # lanes of the partial sums with several rows: 8 accumulator registers
 N_CHUNK = 16  # output columns per parallel task
 K_TILE = 32  # weights decoded per step: one legacy block / one K-quant sub-block
 
@@ -106,13 +106,12 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
             (copy_out,) = sch.get_consumers(mm)
             *m_loops, n, k = sch.get_loops(mm)
     dtype = str(sch.get(mm).writes[0].source.dtype)
-    lanes = min(_vector_lanes(target, dtype), K_TILE)
-    if copy_out is not None:
-        lanes = min(lanes, ROW_LANES)  # ROWS x lanes partial sums must fit in registers
-
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
     m_ext = _static(sch.get(m).extent)
     rows = ROWS if m_ext is None else max(1, min(ROWS, m_ext))
+    lanes = min(_vector_lanes(target, dtype), K_TILE)
+    if rows > 1:
+        lanes = min(lanes, ROW_LANES)  # rows x lanes partial sums must fit in registers
     mo, mi = sch.split(m, [None, rows])
     no, ni = sch.split(n, [None, N_CHUNK])
     ko, kc, ki = sch.split(k, [None, K_TILE // lanes, lanes])
