@@ -1,8 +1,9 @@
 """Lowering (Relax → scheduled TIR → VM code) and building the runtime library.
 
-The pass list is TVM's CPU pipeline with two additions that matter for speed:
+The pass list is TVM's CPU pipeline with additions that matter for speed:
 `FuseTransposeMatmul` (so `x @ W.T` reads W in place instead of transposing it on every
-call) and our per-target schedules, applied once the kernels are fused.
+call), our per-target schedules, applied once the kernels are fused, and on x86 CPUs with
+AVX2 the int8-activation kernels for decode's quantized matmuls (`int8_decode_pass.py`).
 
 GPU targets (CUDA, Metal) use the same list with the dlight schedules of `schedules/gpu.py`
 in place of the CPU ones and, for CUDA, `RewriteCUDAGraph` after memory planning (the order
@@ -31,14 +32,17 @@ def _passes(spec: TargetSpec, target):
     from tvm import relax
     from tvm.relax import transform as T
 
-    from tallow.schedules import schedule_pass_for
+    from tallow.schedules import cpu_int8_gemv, schedule_pass_for
 
+    from .int8_decode_pass import int8_decode_kernels
     from .noalias_pass import mark_noalias
 
     # CUDA graphs: captured after memory planning, so the graph replays fixed buffers.
     graphs = [T.RewriteCUDAGraph()] if spec.kind == "cuda" else []
     noalias = [mark_noalias()] if spec.kind == "cpu" else []
+    int8_decode = [int8_decode_kernels(spec.details)] if cpu_int8_gemv.supported(target) else []
     return [
+        *int8_decode,
         T.FuseTransposeMatmul(),
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),

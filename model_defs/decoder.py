@@ -15,7 +15,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
-from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul_te
+from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul
 
 # Parameter name -> GGUF block type ("q4_k", ...) for weights stored quantized; absent or
 # "none" means a plain float weight of the model's dtype.
@@ -154,12 +154,8 @@ class DecoderLM(nn.Module):
         embed = self.model.embed_tokens
         if self.lm_head is None and isinstance(embed, QuantEmbedding):
             # Tied head over a quantized table: the same blocks, read by a fused matmul.
-            vocab, qtype, dt = self.config.vocab_size, embed.qtype, self.dtype
-            logits = op.tensor_expr_op(
-                lambda x, w: quant_matmul_te(x, w, qtype, vocab, dt),
-                name_hint=f"quant_matmul_{qtype}",
-                args=[hidden, embed.weight],
-            )
+            vocab = self.config.vocab_size
+            logits = quant_matmul(hidden, embed.weight, embed.qtype, vocab, self.dtype)
         elif self.lm_head is None:
             logits = op.matmul(hidden, op.permute_dims(embed.weight))
         else:

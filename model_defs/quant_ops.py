@@ -236,6 +236,21 @@ def quant_matmul_te(x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: s
     )
 
 
+# PrimFunc attribute naming a fused dequantize-matmul's weight format, so that later passes
+# (the CPU's int8-activation decode kernels) can find these kernels without parsing names.
+QUANT_TYPE_ATTR = "tallow.quant_type"
+
+
+def quant_matmul(x: Tensor, w: Tensor, qtype: str, n: int, out_dtype: str) -> Tensor:
+    """`x @ dequantize(w)^T` as one `tensor_expr_op`, tagged with its format."""
+    return op.tensor_expr_op(
+        lambda xt, wt: quant_matmul_te(xt, wt, qtype, n, out_dtype),
+        name_hint=f"quant_matmul_{qtype}",
+        args=[x, w],
+        attrs={QUANT_TYPE_ATTR: qtype},
+    )
+
+
 class QuantLinear(nn.Module):
     """`y = x @ W^T` with W stored as GGUF blocks (parameter `weight`, uint8 [out, row_bytes]).
 
@@ -253,12 +268,7 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter((out_features, row_bytes(qtype, in_features)), dtype="uint8")
 
     def forward(self, x: Tensor) -> Tensor:
-        n, qtype, dt = self.out_features, self.qtype, self.out_dtype
-        return op.tensor_expr_op(
-            lambda xt, wt: quant_matmul_te(xt, wt, qtype, n, dt),
-            name_hint=f"quant_matmul_{qtype}",
-            args=[x, self.weight],
-        )
+        return quant_matmul(x, self.weight, self.qtype, self.out_features, self.out_dtype)
 
 
 class QuantEmbedding(nn.Module):

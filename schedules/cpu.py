@@ -9,8 +9,8 @@ weights' matmuls dominate decode and prefill, so they get a real schedule:
   weight row serves several tokens during prefill (weights are the memory traffic).
 * The N axis is split into chunks that run on the thread pool.
 
-Kernels that already carry their own structure (the paged-attention kernels from TVM's
-KV cache) are left alone; other injective kernels get their outer loops parallelised.
+The KV cache's attention and RoPE kernels are replaced by ours (`cpu_attention`,
+`cpu_rope`); other injective kernels get their outer loops parallelised.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
 def schedule_module(mod: tvm.IRModule, target) -> tvm.IRModule:
     # Quantized matmuls first: the float rule below would also match them, but would decode
     # every weight inside the K loop instead of a block at a time.
-    from . import cpu_attention, cpu_quant
+    from . import cpu_attention, cpu_quant, cpu_rope
 
     mod = cpu_attention.replace_attention_kernels(mod)
+    mod = cpu_rope.replace_rope_kernel(mod)
     mod = cpu_quant.schedule_module(mod, target)
     updated = {}
     for gv, func in mod.functions_items():

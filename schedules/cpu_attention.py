@@ -27,6 +27,8 @@ import math
 import tvm
 from tvm.script import tirx as T
 
+from .tir_vectors import add, reduce_lanes
+
 LANES = 8  # f32 lanes of an AVX2 register: the dot product's partial sums
 TILE = 8  # key rows scored together: one max, one rescale, one vector exp2
 LOG2E = math.log2(math.e)
@@ -55,82 +57,104 @@ def _exp2(x):
     return poly * scale
 
 
-def _attend(paged: bool, d: int, page_size: int, dtype: str):
+def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
     """The online-softmax loop of one query row over `n` key rows, shared by the kernels.
 
+    `heads` query heads (h0, h0 + 1, ...) that share the key/value head `hk` go together:
+    each key and value vector is loaded once for all of them (decode groups a GQA group so;
+    its attention was bound by reading the cache once per query head).
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
     `kv` ([pages, 2, h_kv, page_size, d]); ragged: `k[base + j]`, `v[base + j]`.
-    State: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
+    State per head: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
     """
     nd = d // LANES
 
     @T.macro
-    def attend(q, qi, h, sm_scale, n, k, v, values, base, hk, output, lse):
-        o_acc, qv, acc, sc, st = _state(d)
-        st[0] = T.float32(NEG)
-        st[1] = T.float32(1.0)
-        for i in T.vectorized(d):
-            o_acc[i] = T.float32(0)
-            qv[i] = T.Cast("float32", q[qi, h, i]) * sm_scale * T.float32(LOG2E)
+    def attend(q, qi, h0, sm_scale, n, k, v, values, base, hk, output, lse):
+        o_acc, qv, acc, sc, st = _state(d, heads)
+        for hg in T.unroll(heads):
+            st[hg * 4] = T.float32(NEG)
+            st[hg * 4 + 1] = T.float32(1.0)
+            for i in T.vectorized(d):
+                o_acc[hg * d + i] = T.float32(0)
+                qv[hg * d + i] = T.Cast("float32", q[qi, h0 + hg, i]) * sm_scale * T.float32(LOG2E)
         for t in T.serial((n + TILE - 1) // TILE):
-            for r in T.serial(TILE):
-                if t * TILE + r < n:
-                    for ln in T.vectorized(LANES):
-                        acc[ln] = T.float32(0)
-                    for c in T.serial(nd):
+            # the tile's dot products interleaved: independent FMA chains, not one
+            for a in T.unroll(heads * TILE):
+                for ln in T.vectorized(LANES):
+                    acc[a * LANES + ln] = T.float32(0)
+            for r in T.serial(TILE):  # unrolled, LLVM hoisted all 64 loads and spilled them
+                for c in T.unroll(nd):
+                    for hg in T.unroll(heads):
                         for ln in T.vectorized(LANES):
                             if paged:
-                                acc[ln] += qv[c * LANES + ln] * T.Cast(
+                                acc[(hg * TILE + r) * LANES + ln] += qv[
+                                    hg * d + c * LANES + ln
+                                ] * T.Cast(
                                     "float32",
                                     k[
-                                        values[base + (t * TILE + r) // page_size],
+                                        values[base + T.min(t * TILE + r, n - 1) // page_size],
                                         0,
                                         hk,
-                                        (t * TILE + r) % page_size,
+                                        T.min(t * TILE + r, n - 1) % page_size,
                                         c * LANES + ln,
                                     ],
                                 )
                             else:
-                                acc[ln] += qv[c * LANES + ln] * T.Cast(
-                                    "float32", k[base + t * TILE + r, hk, c * LANES + ln]
+                                acc[(hg * TILE + r) * LANES + ln] += qv[
+                                    hg * d + c * LANES + ln
+                                ] * T.Cast(
+                                    "float32",
+                                    k[base + T.min(t * TILE + r, n - 1), hk, c * LANES + ln],
                                 )
-                    sc[r] = acc[0]
-                    for ln in T.serial(1, LANES):
-                        sc[r] += acc[ln]
-                else:
-                    sc[r] = T.float32(NEG)
-            st[2] = sc[0]
-            for r in T.serial(1, TILE):
-                st[2] = T.max(st[2], sc[r])
-            if st[2] > st[0]:
-                st[3] = T.exp2(st[0] - st[2])
-                st[1] *= st[3]
-                for i in T.vectorized(d):
-                    o_acc[i] *= st[3]
-                st[0] = st[2]
-            for r in T.vectorized(TILE):
-                sc[r] = _exp2(sc[r] - st[0])
-            for r in T.serial(TILE):
-                st[1] += sc[r]
-            for r in T.serial(TILE):
-                if t * TILE + r < n:
+            for hg in T.unroll(heads):
+                for r in T.unroll(TILE):
+                    sc[hg * TILE + r] = T.Select(
+                        t * TILE + r < n,
+                        reduce_lanes(acc[T.Ramp((hg * TILE + r) * LANES, 1, LANES)], LANES, add),
+                        T.float32(NEG),
+                    )
+                st[hg * 4 + 2] = sc[hg * TILE]
+                for r in T.serial(1, TILE):
+                    st[hg * 4 + 2] = T.max(st[hg * 4 + 2], sc[hg * TILE + r])
+                if st[hg * 4 + 2] > st[hg * 4]:
+                    st[hg * 4 + 3] = T.exp2(st[hg * 4] - st[hg * 4 + 2])
+                    st[hg * 4 + 1] *= st[hg * 4 + 3]
                     for i in T.vectorized(d):
-                        if paged:
-                            o_acc[i] += sc[r] * T.Cast(
-                                "float32",
-                                v[
-                                    values[base + (t * TILE + r) // page_size],
-                                    1,
-                                    hk,
-                                    (t * TILE + r) % page_size,
-                                    i,
-                                ],
-                            )
-                        else:
-                            o_acc[i] += sc[r] * T.Cast("float32", v[base + t * TILE + r, hk, i])
-        for i in T.vectorized(d):
-            output[qi, h, i] = T.Cast(dtype, o_acc[i] / st[1])
-        lse[qi, h] = st[0] + T.log2(st[1])
+                        o_acc[hg * d + i] *= st[hg * 4 + 3]
+                    st[hg * 4] = st[hg * 4 + 2]
+                for r in T.vectorized(TILE):
+                    # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
+                    sc[hg * TILE + r] = T.Select(
+                        t * TILE + r < n, _exp2(sc[hg * TILE + r] - st[hg * 4]), T.float32(0)
+                    )
+                for r in T.serial(TILE):
+                    st[hg * 4 + 1] += sc[hg * TILE + r]
+            # each 8-lane slice of the output takes the tile's rows while in a register
+            for c in T.unroll(nd):
+                for r in T.unroll(TILE):
+                    for hg in T.unroll(heads):
+                        for ln in T.vectorized(LANES):
+                            if paged:
+                                o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * T.Cast(
+                                    "float32",
+                                    v[
+                                        values[base + T.min(t * TILE + r, n - 1) // page_size],
+                                        1,
+                                        hk,
+                                        T.min(t * TILE + r, n - 1) % page_size,
+                                        c * LANES + ln,
+                                    ],
+                                )
+                            else:
+                                o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * T.Cast(
+                                    "float32",
+                                    v[base + T.min(t * TILE + r, n - 1), hk, c * LANES + ln],
+                                )
+        for hg in T.unroll(heads):
+            for i in T.vectorized(d):
+                output[qi, h0 + hg, i] = T.Cast(dtype, o_acc[hg * d + i] / st[hg * 4 + 1])
+            lse[qi, h0 + hg] = st[hg * 4] + T.log2(st[hg * 4 + 1])
 
     return attend
 
@@ -150,20 +174,21 @@ PREFILL_RAGGED = "batch_prefill_ragged_kv"
 PREFILL_PAGED = "batch_prefill_paged_kv_cpu"
 
 
-def _state(d: int):
-    """Per-(head, row) scratch: output accumulator, scaled query, lanes, tile scores, state."""
+def _state(d: int, heads: int):
+    """Scratch per (query row, head group): output accumulators, scaled queries, the tile's
+    partial dot products, its scores, and 4 softmax state values per head."""
     return (
-        T.sblock_alloc_buffer((d,), "float32"),
-        T.sblock_alloc_buffer((d,), "float32"),
-        T.sblock_alloc_buffer((LANES,), "float32"),
-        T.sblock_alloc_buffer((TILE,), "float32"),
-        T.sblock_alloc_buffer((4,), "float32"),
+        T.sblock_alloc_buffer((heads * d,), "float32"),
+        T.sblock_alloc_buffer((heads * d,), "float32"),
+        T.sblock_alloc_buffer((heads * TILE * LANES,), "float32"),
+        T.sblock_alloc_buffer((heads * TILE,), "float32"),
+        T.sblock_alloc_buffer((heads * 4,), "float32"),
     )
 
 
 def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
     group = h_q // h_kv
-    attend = _attend(True, d, page_size, dtype)
+    attend = _attend(True, d, page_size, dtype, heads=group)
 
     @T.prim_func(s_tir=True)
     def decode(
@@ -195,18 +220,18 @@ def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
         lse = T.match_buffer(lse_handle, (B, h_q), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=T.int32())
 
-        for hb in T.parallel(h_q * B):
+        for hb in T.parallel(h_kv * B):
             with T.sblock("attn"):
                 T.reads()  # declared, not inferred: the regions depend on page tables
                 T.writes()
-                h: T.let[T.int32] = hb // B
+                hk: T.let[T.int32] = hb // B
                 b: T.let[T.int32] = hb % B
                 n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
                 n: T.let[T.int32] = T.if_then_else(
                     n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0
                 )
                 attend(
-                    Q, b, h, sm_scale, n, pages, pages, values, indptr[b], h // group, output, lse
+                    Q, b, hk * group, sm_scale, n, pages, pages, values, indptr[b], hk, output, lse
                 )
 
     return decode

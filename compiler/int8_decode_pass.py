@@ -1,0 +1,67 @@
+"""Give the decode functions' quantized matmuls int8-activation kernels (x86 CPUs with AVX2).
+
+The model emits every quantized linear layer as one fused dequantize-matmul PrimFunc, tagged
+with its weight format (`model_defs.quant_ops.QUANT_TYPE_ATTR`). In `decode` and
+`batch_decode` its input is `[batch, 1, K]`: one token per sequence. For those kernels this
+pass substitutes `schedules.cpu_int8_gemv`'s hand-written kernel, with the same parameters
+(x, w, out), before fusion: it is marked opaque, so fusion leaves it whole (an epilogue such
+as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token axis) keep
+float activations and the tiled schedule.
+
+This changes decode's numerics in the way llama.cpp's do: activations are rounded to Q8_0
+before the product (see `cpu_int8_gemv`). The manifest records it
+(`target.details.decode_activations`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _static(expr) -> int | None:
+    from tvm import tirx
+
+    return int(expr) if isinstance(expr, tirx.IntImm) else None
+
+
+def int8_kernel_for(func):
+    """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
+    from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
+    from tallow.schedules import cpu_int8_gemv
+
+    if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
+        return None
+    x, w, out = func.params  # TVM 0.27: parameters carry their buffer shape and dtype
+    if len(x.shape) != 3 or _static(x.shape[1]) != 1 or len(w.shape) != 2:
+        return None
+    if str(x.dtype) != "float32" or str(out.dtype) != "float32":
+        return None
+    k, n = _static(x.shape[2]), _static(w.shape[0])
+    if k is None or n is None or k % cpu_int8_gemv.LANES or n % cpu_int8_gemv.N_CHUNK:
+        return None
+    qtype = str(func.attrs[QUANT_TYPE_ATTR])
+    return cpu_int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]))
+
+
+def int8_decode_kernels(details: dict):
+    """The module pass; counts the kernels it replaced into `details`."""
+    import tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="tallow.Int8DecodeKernels")
+    def _pass(mod, _ctx):
+        updated = {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, tvm.tirx.PrimFunc):
+                kernel = int8_kernel_for(func)
+                if kernel is not None:
+                    updated[gv] = kernel
+        for gv, kernel in updated.items():
+            mod[gv] = kernel
+        details["decode_activations"] = "q8_0" if updated else "float32"
+        details["int8_decode_kernels"] = len(updated)
+        log.info("int8-activation decode kernels: %d", len(updated))
+        return mod
+
+    return _pass

@@ -1,0 +1,150 @@
+"""Int8-activation decode kernels (schedules/cpu_int8_gemv.py, compiler/int8_decode_pass.py).
+
+The oracle is numpy on what the kernel claims to compute: the weights decoded by
+`gguf.quants.dequantize`, times the activations' Q8_0 round trip through `gguf`'s own
+quantizer and dequantizer, summed in float64.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+from tvm.relax.frontend import nn
+from tvm.target import Target
+
+from tallow.compiler.int8_decode_pass import int8_decode_kernels
+from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.compiler.target import resolve_target
+from tallow.model_defs.quant_ops import BLOCK, QuantLinear
+from tallow.schedules import cpu_int8_gemv
+
+TARGET = resolve_target("cpu", "f32").tvm()
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+pytestmark = pytest.mark.skipif(not cpu_int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
+
+
+def _weights(qtype: str, n: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.7 + 0.1
+    w[:, ::37] *= 4.0  # heavy-ish tails, and an offset for the formats' mins
+    blocks = quantize(w, qtype)
+    deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
+    return blocks, deq.astype(np.float64)
+
+
+def _activations(batch: int, k: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((batch, 1, k)).astype(np.float32) * 3
+    x[0, 0, :32] = 0.0  # a group of zeros: scale 0, no division by zero
+    # exact halves after scaling (d = 1): gguf rounds them away from zero (2.5 -> 3, not 2)
+    x[-1, 0, 32:64] = np.linspace(-15.5, 15.5, 32, dtype=np.float32)
+    x[-1, 0, 63] = 127.0
+    return x
+
+
+def _oracle(x: np.ndarray, deq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    batch, _, k = x.shape
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(x.reshape(batch, k), Q8_0), Q8_0)
+    rounded = rounded.astype(np.float64)
+    bound = np.abs(rounded) @ np.abs(deq).T  # for float32 rounding of the sums
+    return (rounded @ deq.T).reshape(batch, 1, -1), bound.reshape(batch, 1, -1)
+
+
+def _run(func, x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+    with TARGET:
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), TARGET)
+    out = tvm.runtime.empty((x.shape[0], 1, n), "float32")
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK))
+@pytest.mark.parametrize("batch", [1, None])
+def test_gemv_matches_numpy(qtype, batch):
+    """Every format, one static row (`decode`) and a symbolic batch of 5 (`batch_decode`:
+    one whole tile of 4 rows and a tail)."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 48
+    blocks, deq = _weights(qtype, n, k, seed=1)
+    x = _activations(batch or 5, k, seed=2)
+    got = _run(cpu_int8_gemv.gemv_kernel(qtype, n, k, batch), x, blocks, n)
+    ref, bound = _oracle(x, deq)
+    err = np.abs(got - ref)
+    assert (err <= 1e-5 * bound + 1e-6).all(), f"max err {err.max()}"
+    # not the float-activation product: the rounding of x is really there
+    float_ref = x.astype(np.float64).reshape(x.shape[0], -1) @ deq.T
+    assert np.abs(got.reshape(float_ref.shape) - float_ref).max() > 1e-3
+
+
+def test_shapes_it_cannot_tile_are_refused():
+    with pytest.raises(ValueError, match="k % 32"):
+        cpu_int8_gemv.gemv_kernel("q4_0", 48, 40, 1)
+    with pytest.raises(ValueError, match="n % 16"):
+        cpu_int8_gemv.gemv_kernel("q4_0", 40, 64, 1)
+
+
+def test_supported_targets():
+    assert cpu_int8_gemv.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
+    assert not cpu_int8_gemv.supported(Target({"kind": "llvm", "mcpu": "sandybridge"}))
+    assert not cpu_int8_gemv.supported(
+        Target({"kind": "llvm", "mtriple": "arm64-apple-macos", "mcpu": "apple-m1"})
+    )
+    assert not cpu_int8_gemv.supported(None)
+
+
+class _Projections(nn.Module):
+    def __init__(self, k, n, qtype):
+        self.proj = QuantLinear(k, n, qtype)
+
+    def decode(self, x):
+        return self.proj(x)
+
+    batch_decode = prefill = rows = decode
+
+
+def test_pass_replaces_decode_kernels_only():
+    """One token per sequence ([1, 1, K], [b, 1, K]) gets the int8 kernel; a prefill
+    ([1, s, K]) and a 2-D input keep the float dequantize-matmul."""
+    k, n, qtype = 64, 32, "q4_1"
+    specs = {
+        "decode": {"x": nn.spec.Tensor([1, 1, k], "float32")},
+        "batch_decode": {"x": nn.spec.Tensor(["b", 1, k], "float32")},
+        "prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")},
+        "rows": {"x": nn.spec.Tensor(["m", k], "float32")},
+    }
+    mod, _ = _Projections(k, n, qtype).export_tvm(specs)
+    details: dict = {}
+    with TARGET:
+        out = int8_decode_kernels(details)(mod)
+    int8 = [f for _, f in out.functions_items() if 'T.sblock("dot")' in f.script()]
+    floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
+    assert len(int8) == 2 and len(floats) == 2
+    assert all(int(f.attrs["op_pattern"]) == 8 for f in int8)  # opaque: fusion leaves it whole
+    assert details == {"decode_activations": "q8_0", "int8_decode_kernels": 2}
+
+
+@pytest.mark.slow
+def test_decode_logits_close_to_prefill(tiny_model_dir, tmp_path):
+    """A quantized tiny model: the logits of a decode step (int8 activations) stay within
+    the activation rounding of the same token's logits from prefill (float activations),
+    and the manifest says which activations decode uses."""
+    import yaml
+
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    src = tiny_model_dir("qwen3")
+    art = compile_model(CompileOptions(model=str(src), quant="q4_0", output=tmp_path, quiet=True))
+    details = yaml.safe_load((art / "manifest.yaml").read_text())["target"]["details"]
+    assert details["decode_activations"] == "q8_0" and details["int8_decode_kernels"] > 0
+    runner = TVMModelRunner(art, kv=KVCacheConfig(2, 256, 16))
+    prompt = [5, 17, 40, 3, 99, 250, 7, 31]
+    for seq in (0, 1):
+        runner.add_sequence(seq)
+    whole = runner.forward([(0, prompt)])[0]  # prefill: every token with float activations
+    runner.forward([(1, prompt[:-1])])
+    stepped = runner.forward([(1, prompt[-1:])])[0]  # the last token as a decode step
+    assert not np.array_equal(whole, stepped)  # different kernels really ran
+    assert np.abs(whole - stepped).max() <= 0.05 * np.abs(whole).max()
