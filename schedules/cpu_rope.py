@@ -113,7 +113,8 @@ def _parameters(func) -> tuple[float, float, int, int, int, str] | None:
     if heads != h_q + 2 * h_kv or head_dim % 2:
         return None
     constants = _constants(func)
-    for theta in sorted(constants):
+    bases = {float(v) for v in re.findall(r"T\.pow\(T\.float32\(([-+0-9.einf]+)\)", func.script())}
+    for theta in sorted(bases):
         for scale in sorted(constants | {1.0}):
             ref = llama_rope_with_position_map(theta, scale, head_dim, h_q, h_kv, dtype, {})
             if tvm_ffi.structural_equal(ref.body, func.body, map_free_vars=True):
