@@ -50,12 +50,30 @@ def supported(target) -> bool:
         return False
 
 
-def _round_away(v):
-    """Round half away from zero, as `gguf`'s (and llama.cpp's reference) Q8_0 quantizer."""
-    a = tirx.abs(v)
-    whole = tirx.floor(a)
-    r = whole + tirx.floor((a - whole) * 2.0)
-    return tirx.Select(v < tirx.const(0.0, "float32"), -r, r)
+def _vec(dtype: str, count: int) -> str:
+    return dtype if count == 1 else f"{dtype}x{count}"
+
+
+def _magnitude(v, count: int):
+    """|v| of float32 lanes, by clearing the sign bits (see `_round_away`)."""
+    bits = tirx.reinterpret(_vec("int32", count), v) & tirx.const(0x7FFFFFFF, "int32")
+    return tirx.reinterpret(_vec("float32", count), bits)
+
+
+def _round_away(v, count: int):
+    """Round half away from zero, as `gguf`'s (and llama.cpp's reference) Q8_0 quantizer.
+
+    |v| and the sign are taken from the bits: `abs` and a select on a 32-lane vector made
+    TVM's TIR passes take 7 s per kernel.
+    """
+    bits = tirx.reinterpret(_vec("int32", count), v)
+    magnitude = _magnitude(v, count)
+    whole = tirx.floor(magnitude)
+    r = whole + tirx.floor((magnitude - whole) * 2.0)
+    sign = bits & tirx.const(-(2**31), "int32")
+    return tirx.reinterpret(
+        _vec("float32", count), tirx.reinterpret(_vec("int32", count), r) | sign
+    )
 
 
 def _dot(codes, xq, signed: bool):
@@ -123,9 +141,14 @@ def gemv_kernel(qtype: str, n_out: int, k: int, batch: int | None, rows: int = R
                 T.reads(x[r, 0, g * LANES : g * LANES + LANES])
                 T.writes(xq[r, g * LANES : g * LANES + LANES], xd[r, g], xs[r, g * 2 : g * 2 + 2])
                 v: T.let[T.float32x32] = x.vload([r, T.int64(0), g * LANES], "float32x32")
-                d: T.let[T.float32] = reduce_lanes(T.abs(v), 32, T.max) / T.float32(127)
+                d: T.let[T.float32] = reduce_lanes(_magnitude(v, 32), 32, T.max) / T.float32(127)
                 inv: T.let[T.float32] = T.Select(d == T.float32(0), T.float32(0), T.float32(1) / d)
-                q: T.let[T.int32x32] = T.Cast("int32x32", _round_away(v * T.Broadcast(inv, 32)))
+                qs = T.sblock_alloc_buffer((LANES,), "int32", scope="local")
+                scale = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                scale[0] = inv  # a buffer, not a let: keeps the shuffles out of the loop below
+                for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
+                    qs[j] = T.Cast("int32", _round_away(x[r, 0, g * LANES + j] * scale[0], 1))
+                q: T.let[T.int32x32] = qs.vload([0], "int32x32")
                 xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
                 dh: T.let[T.float32] = T.Cast("float32", T.Cast("float16", d))
                 xd[r, g] = dh
