@@ -69,6 +69,13 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
     """
     nd = d // LANES
 
+    def cached(kv, which: int, values, base, hk, row, col):
+        """Element `col` of key (which=0) or value (1) row `row`, as float32."""
+        if paged:
+            page = values[base + row // page_size]
+            return kv[page, which, hk, row % page_size, col].astype("float32")
+        return kv[base + row, hk, col].astype("float32")
+
     @T.macro
     def attend(q, qi, h0, sm_scale, n, k, v, values, base, hk, output, lse):
         o_acc, qv, acc, sc, st = _state(d, heads)
@@ -87,26 +94,11 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
                 for c in T.unroll(nd):
                     for hg in T.unroll(heads):
                         for ln in T.vectorized(LANES):
-                            if paged:
-                                acc[(hg * TILE + r) * LANES + ln] += qv[
-                                    hg * d + c * LANES + ln
-                                ] * T.Cast(
-                                    "float32",
-                                    k[
-                                        values[base + T.min(t * TILE + r, n - 1) // page_size],
-                                        0,
-                                        hk,
-                                        T.min(t * TILE + r, n - 1) % page_size,
-                                        c * LANES + ln,
-                                    ],
-                                )
-                            else:
-                                acc[(hg * TILE + r) * LANES + ln] += qv[
-                                    hg * d + c * LANES + ln
-                                ] * T.Cast(
-                                    "float32",
-                                    k[base + T.min(t * TILE + r, n - 1), hk, c * LANES + ln],
-                                )
+                            acc[(hg * TILE + r) * LANES + ln] += qv[
+                                hg * d + c * LANES + ln
+                            ] * cached(
+                                k, 0, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                            )
             for hg in T.unroll(heads):
                 for r in T.unroll(TILE):
                     sc[hg * TILE + r] = T.Select(
@@ -135,22 +127,9 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
                 for r in T.unroll(TILE):
                     for hg in T.unroll(heads):
                         for ln in T.vectorized(LANES):
-                            if paged:
-                                o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * T.Cast(
-                                    "float32",
-                                    v[
-                                        values[base + T.min(t * TILE + r, n - 1) // page_size],
-                                        1,
-                                        hk,
-                                        T.min(t * TILE + r, n - 1) % page_size,
-                                        c * LANES + ln,
-                                    ],
-                                )
-                            else:
-                                o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * T.Cast(
-                                    "float32",
-                                    v[base + T.min(t * TILE + r, n - 1), hk, c * LANES + ln],
-                                )
+                            o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * cached(
+                                v, 1, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                            )
         for hg in T.unroll(heads):
             for i in T.vectorized(d):
                 output[qi, h0 + hg, i] = T.Cast(dtype, o_acc[hg * d + i] / st[hg * 4 + 1])

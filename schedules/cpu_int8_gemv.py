@@ -10,7 +10,7 @@ the quantize step computes once. See `cpu_int8_codes` for how each format become
 
 Compared with the float schedule of `cpu_quant` (decode each weight to float, then an FMA:
 about one instruction per weight), this is about half an instruction per weight; SmolLM2's
-q4_1 gate/up projection went from 0.17 to 0.11 ms.
+q4_1 gate/up projection went from 0.35 to 0.14 ms.
 
 Numerics: the result is the exact dot product of the dequantized weights with the Q8_0
 round trip of the activations, up to float32 summation order; tests compare it with

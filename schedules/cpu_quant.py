@@ -6,7 +6,8 @@ elementwise epilogue blocks that FuseOps fused in (bias, residual add).
 
 Unscheduled, the dequantize block would write all of W in full precision to a scratch
 buffer. Prefill kernels (a symbolic token axis) go to the tiled schedule of `cpu_tiled`.
-The matrix-vector schedule here serves decode (one row) and batched decode:
+The matrix-vector schedule here serves decode (one row) and batched decode where the
+int8-activation kernels of `cpu_int8_gemv` do not apply (no AVX2, untileable shapes):
 
 * splits N into chunks that run on the thread pool (`parallel`), as the float schedule does;
 * tiles the rows of x by `ROWS`, so one decoded piece of W serves `ROWS` sequences in a
