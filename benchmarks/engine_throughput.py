@@ -4,11 +4,15 @@ and the per-step host overhead outside the compiled functions.
     .venv/bin/python benchmarks/engine_throughput.py artifacts/smollm2-135m-instruct.q4_1-f32-cpu
 
 Prints one table; the ratio column is aggregate throughput over single-request throughput.
+This machine's shared cores make single runs vary by 20% or more, so the concurrency levels
+run in rounds (`--rounds`, interleaved: 1, 4, 16, 1, 4, 16, ...) and the table shows each
+level's median; the spread column is its lowest and highest tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -38,8 +42,9 @@ def run(artifact: str, concurrency: int, max_tokens: int, prompt_len: int) -> di
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.submit(p, params, lambda _o: None)
-    # prefill everything first, so the timed part is steady-state decoding
-    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+    # prefill everything first (each request's first token comes from its prefill), so the
+    # timed part is steady-state decoding
+    while engine.stats().generated_tokens < concurrency:
         engine.run_step()
     forward_time[0] = 0.0
     steps0, gen0 = engine.stats().num_steps, engine.stats().generated_tokens
@@ -63,14 +68,27 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    rows = [run(args.artifact, c, args.max_tokens, args.prompt_len) for c in args.concurrency]
-    base = rows[0]["tok_s"]
-    print(f"{'concurrent':>10} {'tok/s':>9} {'ratio':>6} {'step ms':>8} {'host ms/step':>13}")
-    for r in rows:
+    runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+    for _ in range(args.rounds):
+        for c in args.concurrency:
+            runs[c].append(run(args.artifact, c, args.max_tokens, args.prompt_len))
+
+    def median(c: int, key: str) -> float:
+        return statistics.median(r[key] for r in runs[c])
+
+    base = median(args.concurrency[0], "tok_s")
+    print(
+        f"{'concurrent':>10} {'tok/s':>9} {'ratio':>6} {'step ms':>8} {'host ms/step':>13} "
+        f"{'spread tok/s':>14}"
+    )
+    for c in args.concurrency:
+        tok = [r["tok_s"] for r in runs[c]]
         print(
-            f"{r['concurrency']:>10} {r['tok_s']:>9.1f} {r['tok_s'] / base:>6.2f} "
-            f"{r['step_ms']:>8.2f} {r['overhead_ms']:>13.3f}"
+            f"{c:>10} {median(c, 'tok_s'):>9.1f} {median(c, 'tok_s') / base:>6.2f} "
+            f"{median(c, 'step_ms'):>8.2f} {median(c, 'overhead_ms'):>13.3f} "
+            f"{min(tok):>6.1f}-{max(tok):<6.1f}"
         )
 
 

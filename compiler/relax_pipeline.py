@@ -3,7 +3,8 @@
 The pass list is TVM's CPU pipeline with additions that matter for speed:
 `FuseTransposeMatmul` (so `x @ W.T` reads W in place instead of transposing it on every
 call), our per-target schedules, applied once the kernels are fused, and on x86 CPUs with
-AVX2 the int8-activation kernels for decode's quantized matmuls (`int8_decode_pass.py`).
+AVX2 the int8-activation kernels for decode's quantized matmuls (`int8_decode_pass.py`);
+on CPUs, SiLU with a polynomial exp in place of libm's (`fast_silu_pass.py`).
 
 GPU targets (CUDA, Metal) use the same list with the dlight schedules of `schedules/gpu.py`
 in place of the CPU ones and, for CUDA, `RewriteCUDAGraph` after memory planning (the order
@@ -34,14 +35,17 @@ def _passes(spec: TargetSpec, target):
 
     from tallow.schedules import cpu_int8_gemv, schedule_pass_for
 
+    from .fast_silu_pass import fast_silu
     from .int8_decode_pass import int8_decode_kernels
     from .noalias_pass import mark_noalias
 
     # CUDA graphs: captured after memory planning, so the graph replays fixed buffers.
     graphs = [T.RewriteCUDAGraph()] if spec.kind == "cuda" else []
     noalias = [mark_noalias()] if spec.kind == "cpu" else []
+    silu = [fast_silu()] if spec.kind == "cpu" else []
     int8_decode = [int8_decode_kernels(spec.details)] if cpu_int8_gemv.supported(target) else []
     return [
+        *silu,
         *int8_decode,
         T.FuseTransposeMatmul(),
         relax.backend.DispatchSampling(),

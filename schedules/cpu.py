@@ -81,18 +81,36 @@ def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
 
 
 def _schedule_elementwise(sch: s_tir.Schedule, infos, target) -> bool:
-    """Injective kernels: parallel outer loop, vector inner loop when the extent allows."""
+    """Injective kernels: the innermost axis in vectors, the outer axes on the thread pool.
+
+    Fusing all axes into one would make every element pay an int64 division and modulo to
+    recover its indices, and a tail predicate that stops vectorisation: SiLU over 16 x 1536
+    took 120 us that way.
+    """
     if len(infos) != 1 or not infos[0].is_injective():
         return False
-    loops = sch.get_loops(infos[0].block_rv)
+    block = infos[0].block_rv
+    loops = sch.get_loops(block)
     if not loops:
         return False
+    *outer, inner = loops
+    lanes = _vector_lanes(target, str(sch.get(block).writes[0].source.dtype))
+    inner_extent = _static(sch.get(inner).extent)
+    if inner_extent is not None and inner_extent % lanes == 0:
+        _, vec = sch.split(inner, [None, lanes])
+        sch.vectorize(vec)
+        if outer:
+            rows = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            n_rows = _static(sch.get(rows).extent)
+            if n_rows is None or n_rows > 1 and n_rows * inner_extent >= MIN_PARALLEL:
+                sch.parallel(rows)
+        return True
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     extent = _static(sch.get(fused).extent)
     if extent is not None and extent < MIN_PARALLEL:
         return False
-    outer, _ = sch.split(fused, [None, 1024])
-    sch.parallel(outer)
+    outer_loop, _ = sch.split(fused, [None, 1024])
+    sch.parallel(outer_loop)
     return True
 
 

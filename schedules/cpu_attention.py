@@ -11,7 +11,7 @@ attentions), and are
   triangle land on different threads with equal work;
 * vectorised over head_dim: 8-lane partial dot products, vector rescale and accumulate;
 * one pass over the rows with an online softmax, 8 rows (`TILE`) at a time: their scores,
-  one max, at most one rescale, and one vector exp2 (a polynomial, `_exp2`: libm's exp2f
+  one max, at most one rescale, and one vector exp2 (a polynomial, `tir_math.exp2`: libm's exp2f
   is a scalar call per row and was a third of the time);
 * bounded by the sequence's own length, not the cache's capacity.
 
@@ -22,39 +22,15 @@ appending (`RopeMode.NORMAL`, which every tallow model uses): `rotary_mode` is i
 
 from __future__ import annotations
 
-import math
-
 import tvm
 from tvm.script import tirx as T
 
+from .tir_math import LOG2E, exp2
 from .tir_vectors import add, reduce_lanes
 
 LANES = 8  # f32 lanes of an AVX2 register: the dot product's partial sums
 TILE = 8  # key rows scored together: one max, one rescale, one vector exp2
-LOG2E = math.log2(math.e)
 NEG = -5e4  # TVM's kernels start the running max here; masked rows score this
-# 2**f on [0, 1): least-squares degree-6 fit, relative error 2.6e-9 (below float32's)
-EXP2_POLY = (
-    1.0000000025868898,
-    0.6931469286930053,
-    0.24023050204528248,
-    0.055480426324589965,
-    0.009684580454537375,
-    0.0012387821460259052,
-    0.00021877504828892534,
-)
-
-
-def _exp2(x):
-    """2**x for x <= 0 as vectorisable arithmetic: 2**floor(x) from the exponent bits."""
-    x = T.max(x, T.float32(-126.0))
-    whole = T.floor(x)
-    frac = x - whole
-    poly = T.float32(EXP2_POLY[-1])
-    for c in reversed(EXP2_POLY[:-1]):
-        poly = poly * frac + T.float32(c)
-    scale = T.reinterpret("float32", (T.Cast("int32", whole) + 127) << 23)
-    return poly * scale
 
 
 def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
@@ -118,7 +94,7 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
                 for r in T.vectorized(TILE):
                     # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
                     sc[hg * TILE + r] = T.Select(
-                        t * TILE + r < n, _exp2(sc[hg * TILE + r] - st[hg * 4]), T.float32(0)
+                        t * TILE + r < n, exp2(sc[hg * TILE + r] - st[hg * 4]), T.float32(0)
                     )
                 for r in T.serial(TILE):
                     st[hg * 4 + 1] += sc[hg * TILE + r]

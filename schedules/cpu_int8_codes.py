@@ -28,6 +28,7 @@ from tallow.model_defs.quant_ops import BLOCK, _k4_scale_min
 
 LANES = 32  # weights per group: one 256-bit vector of byte codes
 SIGNED = {"q8_0"}  # formats whose codes are int8 (see `Group.signed`)
+SPLIT_HALVES = {"q2k", "q3k", "q6k"}  # formats whose two 16-weight halves differ in offset
 
 
 @dataclass(frozen=True)

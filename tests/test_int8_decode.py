@@ -1,4 +1,5 @@
-"""Int8-activation decode kernels (schedules/cpu_int8_gemv.py, compiler/int8_decode_pass.py).
+"""Int8-activation decode kernels (schedules/cpu_int8_gemv.py and cpu_int8_batched.py,
+compiler/int8_decode_pass.py).
 
 The oracle is numpy on what the kernel claims to compute: the weights decoded by
 `gguf.quants.dequantize`, times the activations' Q8_0 round trip through `gguf`'s own
@@ -53,29 +54,60 @@ def _oracle(x: np.ndarray, deq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _run(func, x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+    return _build(func)(x, blocks, n)
+
+
+def _build(func):
     with TARGET:
         lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), TARGET)
-    out = tvm.runtime.empty((x.shape[0], 1, n), "float32")
-    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
-    return out.numpy()
+
+    def call(x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+        out = tvm.runtime.empty((x.shape[0], 1, n), "float32")
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+        return out.numpy()
+
+    return call
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK))
-@pytest.mark.parametrize("batch", [1, None])
-def test_gemv_matches_numpy(qtype, batch):
-    """Every format, one static row (`decode`) and a symbolic batch of 5 (`batch_decode`:
-    one whole tile of 4 rows and a tail)."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
-    n = 48
-    blocks, deq = _weights(qtype, n, k, seed=1)
-    x = _activations(batch or 5, k, seed=2)
-    got = _run(cpu_int8_gemv.gemv_kernel(qtype, n, k, batch), x, blocks, n)
+def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
     ref, bound = _oracle(x, deq)
     err = np.abs(got - ref)
-    assert (err <= 1e-5 * bound + 1e-6).all(), f"max err {err.max()}"
+    assert (err <= 1e-5 * bound + 1e-6).all(), f"batch {x.shape[0]}: max err {err.max()}"
     # not the float-activation product: the rounding of x is really there
     float_ref = x.astype(np.float64).reshape(x.shape[0], -1) @ deq.T
     assert np.abs(got.reshape(float_ref.shape) - float_ref).max() > 1e-3
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK))
+def test_gemv_matches_numpy(qtype):
+    """Every format, one static row (`decode`): the single-row kernel."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 48
+    blocks, deq = _weights(qtype, n, k, seed=1)
+    x = _activations(1, k, seed=2)
+    _check(_run(cpu_int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK))
+def test_batched_matches_numpy(qtype):
+    """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
+    `cpu_int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
+    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1)."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 48
+    blocks, deq = _weights(qtype, n, k, seed=1)
+    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
+    for batch in (1, 4, 5, 8, 13):
+        x = _activations(batch, k, seed=2 + batch)
+        _check(kernel(x, blocks, n), x, deq)
+
+
+def test_batched_static_size():
+    """A static batch larger than one goes to the tiled kernel too."""
+    k, n, qtype = 64, 32, "q4_1"
+    blocks, deq = _weights(qtype, n, k, seed=3)
+    x = _activations(6, k, seed=4)
+    _check(_run(cpu_int8_gemv.gemv_kernel(qtype, n, k, 6), x, blocks, n), x, deq)
 
 
 def test_shapes_it_cannot_tile_are_refused():
