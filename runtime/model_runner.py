@@ -252,6 +252,10 @@ class TVMModelRunner:
                 )
         finally:
             self._end(self.kv_cache)
+        if self.manifest.target.kind == "cpu":
+            # The logits already are host memory: a view (it keeps the tensor alive) instead
+            # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
+            return np.from_dlpack(logits)
         return logits.numpy()
 
 

@@ -152,3 +152,20 @@ def test_stop_string_across_tokens_smollm2(smollm2_gguf, tmp_path_factory):  # n
     stop = SamplingParams(max_tokens=8, temperature=0.0, stop=["s."])
     out = collect(engine.generate([ids], stop)[0])[0]
     assert out["text"] == " Pari" and out["finish"] == "stop"
+
+
+def test_runner_logits_stay_valid_after_later_forwards(qwen3):
+    """On the CPU `forward` returns a view of the model's output tensor, not a copy: it must
+    keep that tensor alive, so later forwards cannot overwrite logits already handed out."""
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    runner = TVMModelRunner(qwen3, kv=KVCacheConfig(4, 512, 64))
+    for seq in (0, 1):
+        runner.add_sequence(seq)
+    first = runner.forward([(0, PROMPTS[1]), (1, PROMPTS[2])])
+    kept = first.copy()
+    for step in range(6):  # decode steps and a prefill, each with fresh outputs
+        runner.forward([(0, [7 + step]), (1, [9 + step])])
+    runner.forward([(1, PROMPTS[3])])
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, runner.forward([(0, [3]), (1, [4])]))
