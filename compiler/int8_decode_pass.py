@@ -20,16 +20,11 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def _static(expr) -> int | None:
-    from tvm import tirx
-
-    return int(expr) if isinstance(expr, tirx.IntImm) else None
-
-
 def int8_kernel_for(func):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules import cpu_int8_gemv
+    from tallow.schedules.cpu_tiled import _static
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
         return None

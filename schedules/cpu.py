@@ -10,7 +10,8 @@ weights' matmuls dominate decode and prefill, so they get a real schedule:
 * The N axis is split into chunks that run on the thread pool.
 
 The KV cache's attention and RoPE kernels are replaced by ours (`cpu_attention`,
-`cpu_rope`); other injective kernels get their outer loops parallelised.
+`cpu_rope`); other injective kernels get their last axis vectorised and their outer axes
+parallelised.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _schedule_elementwise(sch: s_tir.Schedule, infos, target) -> bool:
         if outer:
             rows = sch.fuse(*outer) if len(outer) > 1 else outer[0]
             n_rows = _static(sch.get(rows).extent)
-            if n_rows is None or n_rows > 1 and n_rows * inner_extent >= MIN_PARALLEL:
+            if n_rows is None or (n_rows > 1 and n_rows * inner_extent >= MIN_PARALLEL):
                 sch.parallel(rows)
         return True
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]

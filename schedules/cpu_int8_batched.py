@@ -28,12 +28,20 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import row_bytes
 
-from .cpu_int8_codes import LANES, SIGNED, SPLIT_HALVES, group
-from .cpu_int8_ops import SCALE_LANES, code_type, dot, lane_scales, quantize_macro, sum_lanes
+from .cpu_int8_codes import LANES, SIGNED, group
+from .cpu_int8_ops import (
+    N_CHUNK,
+    SCALE_LANES,
+    code_type,
+    dot,
+    lane_scales,
+    offset_halves,
+    quantize_macro,
+    sum_lanes,
+)
 
 TILE_ROWS = 8  # sequences per tile: 8 accumulators, the codes, the scales: 16 ymm registers
 TAIL_ROWS = 4  # the batch's remainder, in tiles of this many
-N_CHUNK = 16  # output columns per parallel task
 
 
 def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
@@ -41,13 +49,12 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
 
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
     `quant_matmul` PrimFunc it replaces. Whole tiles of `TILE_ROWS` sequences first, then
-    the rest in tiles of `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8).
+    the rest in tiles of `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8). Reached through
+    `cpu_int8_gemv.gemv_kernel`, which checks the shape.
     """
-    if k % LANES or n_out % N_CHUNK:
-        raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     groups = k // LANES
     rb = row_bytes(qtype, k)
-    halves = 2 if qtype in SPLIT_HALVES else 1  # offset sums per group
+    halves = offset_halves(qtype)
     B = tirx.Var("batch_size", "int64") if batch is None else tirx.const(batch, "int64")
     full = B // TILE_ROWS
     tail = (B - full * TILE_ROWS + TAIL_ROWS - 1) // TAIL_ROWS
@@ -108,7 +115,7 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
 def _tile_macro(qtype: str, groups: int, rows: int):
     """A macro: output column `n` for the `rows` sequences from `r0` (whole K)."""
     signed = qtype in SIGNED
-    halves = 2 if qtype in SPLIT_HALVES else 1
+    halves = offset_halves(qtype)
 
     @T.macro
     def tile(w, n, r0, xq, xd, xs, out, B):

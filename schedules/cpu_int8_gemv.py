@@ -27,10 +27,17 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK, row_bytes
 
-from .cpu_int8_codes import LANES, SIGNED, SPLIT_HALVES, group
-from .cpu_int8_ops import SCALE_LANES, code_type, dot, lane_scales, quantize_macro, sum_lanes
-
-N_CHUNK = 16  # output columns per parallel task
+from .cpu_int8_codes import LANES, SIGNED, group
+from .cpu_int8_ops import (
+    N_CHUNK,
+    SCALE_LANES,
+    code_type,
+    dot,
+    lane_scales,
+    offset_halves,
+    quantize_macro,
+    sum_lanes,
+)
 
 
 def supported(target) -> bool:
@@ -68,7 +75,7 @@ def _row_kernel(qtype: str, n_out: int, k: int):
     groups = k // LANES
     rb = row_bytes(qtype, k)
     signed = qtype in SIGNED
-    halves = 2 if qtype in SPLIT_HALVES else 1
+    halves = offset_halves(qtype)
     # two independent accumulator chains (even and odd groups) hide the FMA latency that
     # otherwise bounds the loop
     chains = 2 if groups % 2 == 0 else 1

@@ -5,8 +5,8 @@ The activations are quantized per 32 as llama.cpp's Q8_0 (`d = max|x| / 127`,
 
 * `xq[row, k]`: the int8 codes;
 * `xd[row, group * 8 : group * 8 + 8]`: the group's `d`, broadcast to 8 lanes, so that its
-  product with a weight scale is one vector multiply with a memory operand (stored once,
-  LLVM turns it into a scalar multiply and a register broadcast per use);
+  product with a weight scale is one vector multiply with a memory operand (a scalar `d`
+  becomes a scalar multiply and a register broadcast per use in LLVM's hands);
 * `xs[group * halves + h, row]`: `d * sum(q)` over the group (`halves = 1`) or over each
   16-activation half (`halves = 2`, the formats whose halves have their own offsets),
   row-minor, so a tile of rows multiplies a weight offset in one vector FMA.
@@ -20,10 +20,16 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_int8_codes import LANES, SIGNED
+from .cpu_int8_codes import LANES, SIGNED, SPLIT_HALVES
 from .tir_vectors import add, lanes, reduce_lanes
 
 SCALE_LANES = 8  # lanes of xd per group: one AVX2 float vector
+N_CHUNK = 16  # output columns per parallel task
+
+
+def offset_halves(qtype: str) -> int:
+    """Activation sums kept per group: 2 for the formats whose halves have their own offsets."""
+    return 2 if qtype in SPLIT_HALVES else 1
 
 
 def _vec(dtype: str, count: int) -> str:

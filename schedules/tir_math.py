@@ -28,10 +28,10 @@ def _f32(v: float):
     return tirx.const(v, "float32")
 
 
-def exp2(x, high: float = 127.0):
-    """2**x for float32 `x`, clamped to [2**-126, 2**high]: 2**floor(x) from the exponent
+def exp2(x):
+    """2**x for float32 `x`, clamped to [2**-126, 2**127]: 2**floor(x) from the exponent
     bits times the polynomial of the fraction."""
-    x = tirx.min(tirx.max(x, _f32(-126.0)), _f32(high))
+    x = tirx.min(tirx.max(x, _f32(-126.0)), _f32(127.0))
     whole = tirx.floor(x)
     frac = x - whole
     poly = _f32(EXP2_POLY[-1])
