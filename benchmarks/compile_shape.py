@@ -82,6 +82,7 @@ PRESETS = {
 def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None) -> dict:
     """Build, export, lower and build `hf_config` for `target`; return timings + details."""
     from tallow.compiler.relax_pipeline import build_module, lower_module
+    from tallow.compiler.sampler_function import add_sampler_function
     from tallow.compiler.target import DTYPES, resolve_target
     from tallow.model_defs.registry import get_architecture
 
@@ -94,6 +95,7 @@ def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None)
     config = arch.config_from_hf(hf_config)
     module = arch.build(config, DTYPES[dtype], spec.tvm())
     ir_module, params = module.export_tvm(spec=module.get_default_spec())
+    ir_module = add_sampler_function(ir_module, config.vocab_size, spec.kind)
     times["export_s"] = round(time.perf_counter() - t0, 1)
     t = time.perf_counter()
     lowered = lower_module(ir_module, spec)

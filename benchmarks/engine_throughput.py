@@ -3,6 +3,9 @@ and the per-step host overhead outside the compiled functions.
 
     .venv/bin/python benchmarks/engine_throughput.py artifacts/smollm2-135m-instruct.q4_1-f32-cpu
 
+`--sampling` picks greedy, top-p or top-k requests; `--host-sampler` samples with numpy on
+the host instead of the artifact's compiled sampler (for a side-by-side run).
+
 Prints one table; the ratio column is aggregate throughput over single-request throughput.
 This machine's shared cores make single runs vary by 20% or more, so the concurrency levels
 run in rounds (`--rounds`, interleaved: 1, 4, 16, 1, 4, 16, ...) and the table shows each
@@ -12,6 +15,7 @@ level's median; the spread column is its lowest and highest tok/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -20,26 +24,42 @@ import numpy as np
 from tallow.runtime.engine_factory import EngineOptions, build_engine
 from tallow.runtime.sampling_params import SamplingParams
 
+SAMPLING = {
+    "greedy": SamplingParams(temperature=0.0),
+    "top-p": SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+    "top-k": SamplingParams(temperature=0.8, top_k=40, seed=1),
+}
 
-def run(artifact: str, concurrency: int, max_tokens: int, prompt_len: int) -> dict:
-    engine = build_engine(artifact, EngineOptions(max_num_seqs=max(concurrency, 1)))
-    runner = engine.runner
-    forward_time = [0.0]
-    real_forward = runner.forward
 
-    def timed_forward(items):
+def _timed(fn, total: list[float]):
+    def timed(*args):
         t = time.perf_counter()
         try:
-            return real_forward(items)
+            return fn(*args)
         finally:
-            forward_time[0] += time.perf_counter() - t
+            total[0] += time.perf_counter() - t
 
-    runner.forward = timed_forward
+    return timed
+
+
+def run(
+    artifact: str, concurrency: int, max_tokens: int, prompt_len: int, sampling: str, host: bool
+) -> dict:
+    engine = build_engine(artifact, EngineOptions(max_num_seqs=max(concurrency, 1)))
+    engine.sampling.on_device &= not host
+    runner = engine.runner
+    # Time in compiled functions: the forward, and the compiled sampler's VM call (its
+    # inputs' packing and copy stay on the host side of the ledger).
+    forward_time = [0.0]
+    runner.forward = _timed(runner.forward, forward_time)
+    funcs = getattr(runner, "_funcs", {})
+    if "sample_tokens" in funcs:
+        funcs["sample_tokens"] = _timed(funcs["sample_tokens"], forward_time)
     rng = np.random.default_rng(0)
     prompts = [
         [int(t) for t in rng.integers(100, 20000, size=prompt_len)] for _ in range(concurrency)
     ]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = dataclasses.replace(SAMPLING[sampling], max_tokens=max_tokens, ignore_eos=True)
     for p in prompts:
         engine.submit(p, params, lambda _o: None)
     # prefill everything first (each request's first token comes from its prefill), so the
@@ -55,6 +75,7 @@ def run(artifact: str, concurrency: int, max_tokens: int, prompt_len: int) -> di
     st = engine.stats()
     steps, generated = st.num_steps - steps0, st.generated_tokens - gen0
     return {
+        "device_rows": engine.sampling.device_rows,
         "concurrency": concurrency,
         "tok_s": generated / wall,
         "overhead_ms": (wall - forward_time[0]) / max(steps, 1) * 1e3,
@@ -69,11 +90,32 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    ap.add_argument(
+        "--host-sampler",
+        action="store_true",
+        help="sample on the host, not with the compiled sampler",
+    )
     args = ap.parse_args()
     runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
     for _ in range(args.rounds):
         for c in args.concurrency:
-            runs[c].append(run(args.artifact, c, args.max_tokens, args.prompt_len))
+            runs[c].append(
+                run(
+                    args.artifact,
+                    c,
+                    args.max_tokens,
+                    args.prompt_len,
+                    args.sampling,
+                    args.host_sampler,
+                )
+            )
+    where = (
+        "host"
+        if args.host_sampler or not runs[args.concurrency[0]][0]["device_rows"]
+        else "compiled"
+    )
+    print(f"sampling: {args.sampling}, {where} sampler")
 
     def median(c: int, key: str) -> float:
         return statistics.median(r[key] for r in runs[c])

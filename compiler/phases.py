@@ -87,6 +87,15 @@ def export_functions(state: CompileState) -> str:
     return f"{len(state.functions)} functions, {len(state.params)} parameters"
 
 
+def add_sampler(state: CompileState) -> str:
+    from .sampler_function import SAMPLER_FUNCTION, add_sampler_function
+
+    vocab = state.config.vocab_size
+    state.ir_module = add_sampler_function(state.ir_module, vocab, state.target.kind)
+    state.functions.append(SAMPLER_FUNCTION)
+    return f"{SAMPLER_FUNCTION} over {vocab} tokens ({state.target.kind} kernel)"
+
+
 def lower(state: CompileState) -> str:
     from .relax_pipeline import lower_module
 

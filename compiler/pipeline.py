@@ -67,6 +67,7 @@ def _phases() -> list[tuple[str, Callable[[CompileState], str]]]:
         ("read model config", phases.read_config),
         ("build the model module", phases.build_module),
         ("export functions to Relax", phases.export_functions),
+        ("add the token sampler", phases.add_sampler),
         ("lower through the Relax pipeline", phases.lower),
         ("build the library", phases.build_library),
         ("convert weights", phases.convert_weights),

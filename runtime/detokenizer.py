@@ -26,6 +26,11 @@ Invariant (tested): "".join(pushes) + flush() == tokenizer.decode(output_ids,
 skip_special_tokens=...).  `flush()` returns the text still held at the end: an open
 byte-fallback run, or output that really ends in invalid UTF-8 (or a literal U+FFFD).
 
+Byte-level tokenizers (GPT-2 style: SmolLM2, Qwen, Llama 3) take a faster path when the
+caller passes `byte_level_pieces(tokenizer)`: each token's bytes from a table, through an
+incremental UTF-8 decoder. The window decodes cost about 25 us a token, 0.4 ms of a
+16-sequence decode step; the table lookup about 1 us.
+
 The prompt: by default the window starts at the first output token, which is what makes the
 invariant above hold (a SentencePiece decoder strips the first output token's leading space,
 exactly as `decode(output_ids)` does).  With `prompt_context=True` the window starts in the
@@ -36,16 +41,53 @@ tokenizers (byte-level BPE is unaffected either way).
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "byte_level_pieces"]
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5  # enough prompt tail to fix spacing of the first output token
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character GPT-2-style byte-level BPE writes for each byte: printable Latin-1
+    bytes stand for themselves, the other 68 are shifted to U+0100 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return {c: b for b, c in chars.items()}
+
+
+def byte_level_pieces(tokenizer: Tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """Each token id's bytes, when the tokenizer's decoder is byte-level and nothing else.
+
+    Then decoding is the UTF-8 (lossy) of the tokens' bytes run together, so an incremental
+    UTF-8 decoder over these pieces streams exactly `tokenizer.decode`'s text, at a table
+    lookup per token instead of two decodes of a window. Built once per tokenizer (a pass
+    over the vocabulary); None for any other decoder. A piece follows the decoder's rule: a
+    token spelled in the byte alphabet gives those bytes, any other (an added token such as
+    "<|im_start|>" with characters outside it) its UTF-8; skipped special tokens give b"".
+    """
+    if not isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel):
+        return None
+    alphabet = _byte_level_alphabet()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    pieces = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        token = tokenizer.id_to_token(i)
+        if token is None or (skip_special_tokens and i in special):
+            pieces.append(b"")
+        elif all(c in alphabet for c in token):
+            pieces.append(bytes(alphabet[c] for c in token))
+        else:
+            pieces.append(token.encode())
+    return pieces
 
 
 class IncrementalDetokenizer:
@@ -56,9 +98,16 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         prompt_context: bool = False,
+        byte_pieces: list[bytes] | None = None,
     ) -> None:
+        """`byte_pieces`: `byte_level_pieces(tokenizer, skip_special_tokens)`, shared by every
+        stream of that tokenizer, for the fast path (the window decodes otherwise)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._pieces = byte_pieces
+        # Lossy like the Rust decoder: an ill-formed sequence becomes U+FFFD once it is known
+        # to be ill-formed; an incomplete character waits for its next bytes.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.prompt_ids = list(prompt_ids)
         if prompt_context and self.prompt_ids:
             self._ids = self.prompt_ids[-_PROMPT_CONTEXT_TOKENS:]
@@ -88,6 +137,9 @@ class IncrementalDetokenizer:
         """Append one generated token; return the text it completes ("" if none yet)."""
         token_id = int(token_id)
         self.output_ids.append(token_id)
+        if self._pieces is not None:
+            piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else b""
+            return self._utf8.decode(piece)
         self._ids.append(token_id)
         if token_id not in self._skipped:
             self._open_byte_run = self._is_byte_token(token_id)
@@ -113,6 +165,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of generation: release held text (an open byte run, or invalid UTF-8 output)."""
+        if self._pieces is not None:
+            return self._utf8.decode(b"", final=True)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)

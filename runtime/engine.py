@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tallow.runtime.detokenizer import IncrementalDetokenizer
+from tallow.runtime.detokenizer import IncrementalDetokenizer, byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
@@ -37,6 +37,7 @@ from tallow.runtime.request import Sequence as Seq
 from tallow.runtime.sampler import Sampler, make_generator
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
+from tallow.runtime.step_sampling import Histories, StepSampler
 from tallow.runtime.stop_strings import StopStringMatcher
 
 __all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
@@ -87,9 +88,11 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
+        # byte-level tokenizers: one table for every stream's fast detokenizing
+        self._byte_pieces = byte_level_pieces(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.scheduler = Scheduler(runner, scheduler_config)
-        self.sampler = Sampler()
+        self.sampling = StepSampler(runner, Sampler())
         self._requests: dict[str, _ReqState] = {}  # step-thread only
         self._by_seq: dict[int, _SeqState] = {}  # seq_id -> state, step-thread only
         self._inbox: list[tuple[str, Any]] = []
@@ -271,7 +274,9 @@ class Engine:
         else:  # siblings get distinct but reproducible streams
             gen = np.random.default_rng((p.seed % (1 << 64), seq.index))
         detok = (
-            IncrementalDetokenizer(self.tokenizer, state.request.prompt_token_ids)
+            IncrementalDetokenizer(
+                self.tokenizer, state.request.prompt_token_ids, byte_pieces=self._byte_pieces
+            )
             if self.tokenizer is not None
             else None
         )
@@ -315,21 +320,13 @@ class Engine:
         if not states:
             return
         assert logits is not None
-        params = [st.seq.request.params for st in states]
-        penal = [
-            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
-        ]
-        # Every row sampled once, in order (plain decode): no 3 MB fancy-index copy at batch 16.
-        same_rows = rows == list(range(len(logits)))
-        out = self.sampler.sample(
-            logits if same_rows else logits[rows],
-            params,
+        out = self.sampling.sample(
+            logits,
+            rows,
+            [st.seq.request.params for st in states],
             [st.generator for st in states],
-            [
-                st.seq.token_ids[: st.seq.prompt_len] if pen else ()
-                for st, pen in zip(states, penal, strict=True)
-            ],
-            [st.seq.output_token_ids if pen else () for st, pen in zip(states, penal, strict=True)],
+            Histories([st.seq for st in states], prompt=True),
+            Histories([st.seq for st in states], prompt=False),
         )
         per_request: dict[str, list[CompletionDelta]] = {}
         for i, st in enumerate(states):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tallow.runtime.model_runner_protocol import OutOfPagesError, pages_for
+from tallow.runtime.model_runner_protocol import OutOfPagesError, SamplingControls, pages_for
+from tallow.runtime.sampler import sample_controls
 
 
 @dataclass
@@ -37,6 +38,7 @@ class FakeModelRunner:
         context_window: int = 512,
         max_batch_size: int = 32,
         seed: int = 0,
+        device_sampling: bool = True,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -52,6 +54,10 @@ class FakeModelRunner:
         # Observability for tests: every forward's items, and total tokens appended.
         self.forward_log: list[list[tuple[int, list[int]]]] = []
         self.tokens_computed = 0
+        # `sample` stands in for the compiled sampler with its numpy twin.
+        self.supports_device_sampling = device_sampling
+        self.device_sampled_rows = 0
+        self._last_logits: np.ndarray | None = None
 
     # -- page pool ---------------------------------------------------------------------------
 
@@ -163,6 +169,12 @@ class FakeModelRunner:
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         return rng.standard_normal(self.vocab_size).astype(np.float32) * 3.0
 
+    def sample(self, controls: SamplingControls) -> np.ndarray:
+        if not self.supports_device_sampling or self._last_logits is None:
+            raise RuntimeError("sample() needs device sampling and a forward before it")
+        self.device_sampled_rows += len(controls.temperature)
+        return sample_controls(self._last_logits, controls)
+
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
         if len(items) > self.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size")
@@ -189,6 +201,7 @@ class FakeModelRunner:
             self._append(seq, toks)
             self.tokens_computed += len(toks)
             out[row] = self._logits(self._history(seq))
+        self._last_logits = out
         return out
 
     # -- test helpers ------------------------------------------------------------------------

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .model_runner import TVMModelRunner
-from .sampler import Sampler, make_generator
+from .sampler import make_generator
 from .sampling_params import SamplingParams
+from .step_sampling import StepSampler
 
 SEQ_ID = 0
 
@@ -52,7 +53,7 @@ def generate_tokens(
         stop_ids.update(runner.tokenizer.eos_token_ids)
     rng = make_generator(params.seed)
     output: list[int] = []
-    sampler = Sampler()
+    sampling = StepSampler(runner)  # the artifact's compiled sampler when it has one
     stats.prompt_tokens = len(prompt_ids)
     runner.add_sequence(SEQ_ID)
     try:
@@ -65,7 +66,7 @@ def generate_tokens(
         for _ in range(params.max_tokens):
             if output:
                 logits = runner.forward([(SEQ_ID, [output[-1]])])
-            out = sampler.sample(logits, [params], [rng], [prompt_ids], [output])
+            out = sampling.sample(logits, [0], [params], [rng], [prompt_ids], [output])
             token = int(out.token_ids[0])
             output.append(token)
             stats.generated_tokens += 1

@@ -25,6 +25,9 @@ from .artifact import (
 from .cpu_threads import configure_cpu_threads
 from .errors import ArtifactError
 from .manifest import Manifest
+from .model_runner_protocol import SamplingControls
+
+SAMPLER_FUNCTION = "sample_tokens"  # compiler/sampler_function.py adds it to the artifact
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,30 @@ def _library_path(folder: Path, manifest: Manifest) -> Path:
     return out
 
 
+class DeviceLogits:
+    """Logits a forward left on a GPU: copied to the host once, on first read.
+
+    The engine samples most rows with the compiled sampler and never reads these; rows with
+    penalties, biases or logprobs index it (`np.asarray(logits)[rows]`).
+    """
+
+    def __init__(self, tensor, rows: int, vocab_size: int) -> None:
+        self._tensor = tensor
+        self.shape = (rows, vocab_size)
+        self._host: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._host is None:
+            self._host = self._tensor.numpy().reshape(self.shape)
+        return self._host if dtype is None else self._host.astype(dtype)
+
+    def __getitem__(self, index):
+        return np.asarray(self)[index]
+
+
 class TVMModelRunner:
     """One loaded model and its KV cache (see `model_runner_protocol.ModelRunner`)."""
 
@@ -173,8 +200,14 @@ class TVMModelRunner:
         self.prefill_chunk_size = kv.prefill_chunk_size
         total = kv.max_total_tokens or self.context_window * max(1, kv.max_batch_size // 4)
         total = max(total, self.page_size)
-        names = ("embed", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache")
+        names = ["embed", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"]
+        # Artifacts from before the compiled sampler sample on the host.
+        self.supports_device_sampling = SAMPLER_FUNCTION in self.manifest.functions
+        if self.supports_device_sampling:
+            names.append(SAMPLER_FUNCTION)
         self._funcs = {name: self.vm[name] for name in names}
+        self._last_logits = None  # (tensor, rows) of the last forward, for `sample`
+        self._controls = None  # device buffer for `sample`'s per-row controls
         get = tvm.get_global_func
         self._add_seq = get("vm.builtin.kv_state_add_sequence")
         self._fork_seq = get("vm.builtin.kv_state_fork_sequence")
@@ -216,18 +249,47 @@ class TVMModelRunner:
     def num_free_pages(self) -> int:
         return int(self._free_pages(self.kv_cache))
 
-    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
-        """Append each item's tokens to its sequence; float32 logits of each last token."""
+    def forward(self, items: list[tuple[int, list[int]]]):
+        """Append each item's tokens to its sequence; float32 logits [items, vocab] of each
+        last token: a host array on the CPU, a `DeviceLogits` (copied when read) elsewhere."""
         if not items:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         lengths = [len(toks) for _, toks in items]
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
         logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
-        return logits.reshape(len(items), -1)[:, : self.vocab_size]
+        self._last_logits = (logits, len(items))
+        if self.manifest.target.kind == "cpu":
+            # The logits already are host memory: a view (it keeps the tensor alive) instead
+            # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
+            return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
+        return DeviceLogits(logits, len(items), self.vocab_size)
 
-    def _run(self, items: list[tuple[int, list[int]]], positions: np.ndarray) -> np.ndarray:
-        """One forward over the KV cache; logits at `positions` of the packed tokens.
+    def sample(self, controls: SamplingControls) -> np.ndarray:
+        """Token ids drawn by the artifact's `sample_tokens` from the last forward's logits."""
+        if not self.supports_device_sampling or self._last_logits is None:
+            raise RuntimeError("sample() needs an artifact with sample_tokens and a forward")
+        tensor, rows = self._last_logits
+        packed = np.empty((rows, 5), dtype=np.float32)  # the kernel's controls layout
+        packed[:, 0] = controls.temperature
+        packed[:, 1] = controls.top_k
+        packed[:, 2] = controls.top_p
+        packed[:, 3] = controls.min_p
+        packed[:, 4] = controls.uniform
+        view = tensor._create_view((rows, self.vocab_size))
+        sample_tokens = self._funcs[SAMPLER_FUNCTION]
+        if self.manifest.target.kind == "cpu":
+            # numpy arrays pass through DLPack: no device tensors to create or copy into
+            return np.from_dlpack(sample_tokens(view, packed))
+        # One reused device buffer, one copy (a fresh tensor per input cost 25 us each).
+        if self._controls is None or self._controls.shape[0] < rows:
+            self._controls = self._tvm.runtime.empty((max(rows, 64), 5), "float32", self.device)
+        args = self._controls._create_view((rows, 5))
+        args.copyfrom(packed)
+        return sample_tokens(view, args).numpy()
+
+    def _run(self, items: list[tuple[int, list[int]]], positions: np.ndarray):
+        """One forward over the KV cache; the logits tensor at `positions` of the packed tokens.
 
         Single tokens at their own positions go through `decode` (one) or `batch_decode`."""
         tvm = self._tvm
@@ -252,11 +314,7 @@ class TVMModelRunner:
                 )
         finally:
             self._end(self.kv_cache)
-        if self.manifest.target.kind == "cpu":
-            # The logits already are host memory: a view (it keeps the tensor alive) instead
-            # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
-            return np.from_dlpack(logits)
-        return logits.numpy()
+        return logits
 
 
 def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int = 0) -> np.ndarray:
@@ -267,7 +325,7 @@ def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int =
         for start in range(0, len(tokens), runner.prefill_chunk_size):
             chunk = tokens[start : start + runner.prefill_chunk_size]
             logits = runner._run([(seq_id, chunk)], np.arange(len(chunk), dtype=np.int32))
-            out.append(logits.reshape(len(chunk), -1)[:, : runner.vocab_size])
+            out.append(logits.numpy().reshape(len(chunk), runner.vocab_size))
     finally:
         runner.remove_sequence(seq_id)
     return np.concatenate(out, axis=0)

@@ -8,9 +8,25 @@ testable without a compiled model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+
+@dataclass
+class SamplingControls:
+    """Per row of the last forward's logits, what the device sampler needs (length n each).
+
+    temperature 0 means greedy (the first maximum); top_k 0, top_p 1 and min_p 0 mean no cut;
+    `uniform` is the row's draw in [0, 1), taken from its sequence's own generator.
+    """
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int32
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    uniform: np.ndarray  # float32
 
 
 class OutOfPagesError(RuntimeError):
@@ -59,6 +75,17 @@ class ModelRunner(Protocol):
 
     def num_free_pages(self) -> int:
         """Pages not referenced by any sequence."""
+        ...
+
+    # True when `sample` works: the artifact has the compiled sampler (older ones do not).
+    supports_device_sampling: bool
+
+    def sample(self, controls: SamplingControls) -> np.ndarray:
+        """Token id (int) per row of the last forward's logits, drawn where the logits are.
+
+        Temperature, top-k, top-p and min-p only; penalties, biases and logprobs need the
+        logits on the host. Must be called before the next forward.
+        """
         ...
 
 

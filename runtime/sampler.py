@@ -38,6 +38,7 @@ __all__ = [
     "keep_thresholds",
     "log_softmax",
     "make_generator",
+    "sample_controls",
     "warp_logits",
 ]
 
@@ -246,6 +247,26 @@ def _inverse_cdf(y: np.ndarray, thr: np.ndarray, u: np.ndarray) -> np.ndarray:
     over = j >= _CDF_BLOCK
     j[over] = np.argmax(inner[over] >= inner[over, -1:], axis=1)
     return b * _CDF_BLOCK + j
+
+
+def sample_controls(logits: np.ndarray, controls) -> np.ndarray:
+    """Host version of the compiled sampler (`SamplingControls` per row): token per row.
+
+    What the fake runner's `sample` runs, and the oracle for the compiled kernels.
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    temp = np.asarray(controls.temperature, dtype=np.float32)
+    tokens = np.argmax(x, axis=1).astype(np.int64)
+    s = np.flatnonzero(temp > 0)
+    if s.size:
+        y = x[s] / temp[s, None]
+        top_k = np.asarray(controls.top_k, dtype=np.int64)[s]
+        top_p = np.asarray(controls.top_p, dtype=np.float64)[s]
+        min_p = np.asarray(controls.min_p, dtype=np.float32)[s]
+        thr = keep_thresholds(y, top_k, top_p, min_p)
+        u = np.asarray(controls.uniform, dtype=np.float64)[s]
+        tokens[s] = _inverse_cdf(y, thr, u)
+    return tokens
 
 
 class Sampler:

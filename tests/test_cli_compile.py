@@ -63,6 +63,7 @@ def test_artifact_layout(tiny_artifact):
         "batch_prefill",
         "batch_decode",
         "create_paged_kv_cache",
+        "sample_tokens",
     ]
     assert manifest["tvm_version"] == "0.27.0.post1"
     assert manifest["params"][0]["name"] == "model.embed_tokens.weight"

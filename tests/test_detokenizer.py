@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tallow.runtime.detokenizer import IncrementalDetokenizer
+from tallow.runtime.detokenizer import IncrementalDetokenizer, byte_level_pieces
 
 CORPUS = [
     "Hello world, this is a small corpus for a tiny tokenizer.",
@@ -201,3 +202,35 @@ def test_window_stays_small_over_long_outputs():
         out.append(detok.push(t))
         assert len(detok._ids) - detok._prefix_offset < 32
     assert "".join(out) == tok.decode(ids)
+
+
+def test_byte_level_table_streams_like_the_window_decoder():
+    """The fast path: per-token bytes through an incremental UTF-8 decoder. On valid text it
+    never emits a partial character and never lags the window decoder (it can lead it: a
+    token holding " " plus a character's first byte releases the space at once); on any ids
+    its total is `decode`'s."""
+    tok = _byte_level_bpe()
+    rng = random.Random(5)
+    for skip in (True, False):
+        pieces = byte_level_pieces(tok, skip_special_tokens=skip)
+        for text in _sample_texts(rng, 40):
+            ids = tok.encode(text).ids
+            fast = IncrementalDetokenizer(tok, [], skip_special_tokens=skip, byte_pieces=pieces)
+            slow = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+            fast_chunks = [fast.push(t) for t in ids]
+            slow_chunks = [slow.push(t) for t in ids]
+            assert "".join(fast_chunks) + fast.flush() == tok.decode(ids, skip_special_tokens=skip)
+            assert not any("\ufffd" in c for c in fast_chunks)
+            fast_len = np.cumsum([len(c) for c in fast_chunks])
+            assert (fast_len >= np.cumsum([len(c) for c in slow_chunks])).all()
+        vocab = tok.get_vocab_size()
+        for _ in range(200):  # random ids: lone bytes, broken characters, special tokens
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            fast = IncrementalDetokenizer(tok, [], skip_special_tokens=skip, byte_pieces=pieces)
+            text = "".join(fast.push(t) for t in ids) + fast.flush()
+            assert text == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_level_table_only_for_byte_level_decoders():
+    assert byte_level_pieces(_byte_fallback_bpe()) is None
+    assert len(byte_level_pieces(_byte_level_bpe())) == _byte_level_bpe().get_vocab_size()

@@ -169,3 +169,44 @@ def test_runner_logits_stay_valid_after_later_forwards(qwen3):
     runner.forward([(1, PROMPTS[3])])
     np.testing.assert_array_equal(first, kept)
     assert not np.array_equal(first, runner.forward([(0, [3]), (1, [4])]))
+
+
+def test_artifact_samples_on_the_device(qwen3):
+    """The artifact carries the compiled sampler; plain requests use it, logprobs do not."""
+    from tallow.runtime.model_runner_protocol import SamplingControls
+    from tallow.runtime.sampler import sample_controls
+
+    engine = build_engine(qwen3, EngineOptions(max_num_seqs=8, prefix_cache=False))
+    runner = engine.runner
+    assert runner.supports_device_sampling and "sample_tokens" in runner.manifest.functions
+    seqs = range(100, 106)
+    for s in seqs:
+        runner.add_sequence(s)
+    logits = np.asarray(runner.forward([(s, PROMPTS[s % 8]) for s in seqs]))
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        c = SamplingControls(
+            temperature=rng.choice([0.0, 0.7, 1.3], 6).astype(np.float32),
+            top_k=rng.choice([0, 3, 50], 6).astype(np.int32),
+            top_p=rng.choice([1.0, 0.9, 0.3], 6).astype(np.float32),
+            min_p=rng.choice([0.0, 0.05], 6).astype(np.float32),
+            uniform=rng.random(6).astype(np.float32),
+        )
+        np.testing.assert_array_equal(runner.sample(c), sample_controls(logits, c))
+    for s in seqs:
+        runner.remove_sequence(s)
+
+    plain = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=2, ignore_eos=True)
+    asks_logprobs = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+    engine.generate([PROMPTS[1], PROMPTS[2]], [plain, asks_logprobs])
+    assert engine.sampling.device_rows == 6 and engine.sampling.host_rows == 6
+
+
+def test_device_and_host_sampling_agree_on_a_real_model(qwen3):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.9, seed=77)
+    outs = []
+    for device in (True, False):
+        engine = build_engine(qwen3, EngineOptions(max_num_seqs=4))
+        engine.sampling.on_device = device
+        outs.append([collect(r)[0]["ids"] for r in engine.generate(PROMPTS[:3], params)])
+    assert outs[0] == outs[1]

@@ -1,0 +1,51 @@
+"""Adds `sample_tokens` to the exported module: the token sampler, compiled into the artifact.
+
+    sample_tokens(logits [n, vocab] f32, controls [n, 5] f32) -> token ids [n] i32
+
+with the controls of a row: temperature, top_k, top_p, min_p and its uniform draw.
+
+The runtime calls it on the logits a forward left on the device, so only `n` token ids come
+back to the host (on a GPU, instead of n x vocab floats). The kernel is the target's
+(`schedules/cpu_sampling.py`, `schedules/gpu_sampling.py`), scheduled by hand; its two scratch
+outputs are planned like any other intermediate.
+"""
+
+from __future__ import annotations
+
+SAMPLER_FUNCTION = "sample_tokens"
+
+
+def add_sampler_function(mod, vocab_size: int, kind: str):
+    """`mod` with `sample_tokens` added for a `kind` ("cpu", "cuda", "metal") target."""
+    from tvm import relax, tirx
+
+    from tallow.schedules import cpu_sampling, gpu_sampling
+
+    kernels = cpu_sampling if kind == "cpu" else gpu_sampling
+    kernel = kernels.sample_kernel(vocab_size, vocab_size)
+    width = cpu_sampling.workspace_width(vocab_size)
+
+    n = tirx.Var("n", "int64")
+
+    def tensor(name: str, shape, dtype: str):
+        return relax.Var(name, relax.TensorType(shape, dtype))
+
+    logits = tensor("logits", (n, vocab_size), "float32")
+    controls = tensor("controls", (n, cpu_sampling.CONTROLS), "float32")
+    bb = relax.BlockBuilder(mod)
+    with bb.function(SAMPLER_FUNCTION, [logits, controls]):
+        gv = bb.add_func(kernel, "sample_tokens_kernel")
+        out = bb.emit(
+            relax.call_tir(
+                gv,
+                [logits, controls],
+                out_ty=[
+                    relax.TensorType((n,), "int32"),
+                    relax.TensorType((n, width), "float32"),  # exp(y - max y)
+                    relax.TensorType((n, width), "int32"),  # order-preserving keys
+                ],
+            )
+        )
+        tokens = bb.emit(relax.TupleGetItem(out, 0))
+        bb.emit_func_output(tokens)
+    return bb.get()

@@ -1,0 +1,135 @@
+"""One step's sampling: rows the compiled sampler can take stay on the device, the rest go
+through the host `Sampler`.
+
+The compiled sampler (`sample_tokens` in the artifact, the runner's `sample`) covers
+temperature, top-k, top-p and min-p. A row that asks for penalties, a logit bias or logprobs
+needs the logits on the host, and so does a second sequence drawing from the same row (the
+siblings of an n > 1 request at their first token). On a GPU the device path brings back
+`n` token ids instead of `n x vocab` floats; the host copy happens only when a row needs it.
+
+Each sampled row takes exactly one uniform from its own generator on either path, so a seeded
+request gives the same tokens whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .model_runner_protocol import ModelRunner, SamplingControls
+from .request import Sequence as Seq
+from .sampler import Sampler, SamplerOutput
+from .sampling_params import SamplingParams
+
+
+def device_can_sample(p: SamplingParams) -> bool:
+    """Whether the compiled sampler covers everything `p` asks of a step."""
+    return (
+        p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and not p.logit_bias
+        and not p.logprobs
+        and p.top_logprobs == 0
+    )
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class Histories:
+    """Each sequence's prompt (or output) token ids, built only for the rows that read them
+    (rows with penalties): most steps have none, and slicing every prompt cost per step."""
+
+    def __init__(self, seqs: Sequence[Seq], prompt: bool) -> None:
+        self.seqs, self.prompt = seqs, prompt
+
+    def __getitem__(self, i: int) -> list[int]:
+        seq = self.seqs[i]
+        return seq.token_ids[: seq.prompt_len] if self.prompt else seq.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class StepSampler:
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+        self.on_device = bool(getattr(runner, "supports_device_sampling", False))
+        self.device_rows = 0  # counters, for tests and benchmarks
+        self.host_rows = 0
+
+    def sample(
+        self,
+        logits,
+        rows: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator | None],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> SamplerOutput:
+        """One token per entry; entry i samples logits row `rows[i]` of the last forward.
+
+        `logits` is what the forward returned (a host array, or a device handle that copies
+        to the host when indexed); histories are read only by rows with penalties.
+        """
+        count = len(params)
+        tokens = np.zeros(count, dtype=np.int64)
+        logprobs: list[float | None] = [None] * count
+        tops: list[list[tuple[int, float]] | None] = [None] * count
+        device: dict[int, int] = {}  # logits row -> entry
+        if self.on_device:
+            for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+                if row not in device and device_can_sample(p):
+                    device[row] = i
+        if device:
+            tokens_dev = self._sample_on_device(len(logits), device, params, generators)
+            for row, i in device.items():
+                tokens[i] = tokens_dev[row]
+        host = [i for i in range(count) if device.get(rows[i]) != i]
+        if host:
+            same_rows = [rows[i] for i in host] == list(range(len(logits)))
+            # Every row, in order (plain decode): no fancy-index copy of the logits.
+            x = logits if same_rows else np.asarray(logits)[[rows[i] for i in host]]
+            pen = [_penalised(params[i]) for i in host]
+            out = self.sampler.sample(
+                x,
+                [params[i] for i in host],
+                [generators[i] for i in host],
+                [prompt_ids[i] if q else () for i, q in zip(host, pen, strict=True)],
+                [output_ids[i] if q else () for i, q in zip(host, pen, strict=True)],
+            )
+            for j, i in enumerate(host):
+                tokens[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+                tops[i] = out.top_logprobs[j]
+        self.device_rows += len(device)
+        self.host_rows += len(host)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=tops)
+
+    def _sample_on_device(self, num_rows, device, params, generators) -> np.ndarray:
+        # Rows nobody samples on the device (prefill chunks, host rows) run the cheap greedy
+        # path; their tokens are ignored.
+        temperature = np.zeros(num_rows, dtype=np.float32)
+        top_k = np.zeros(num_rows, dtype=np.int32)
+        top_p = np.ones(num_rows, dtype=np.float32)
+        min_p = np.zeros(num_rows, dtype=np.float32)
+        uniform = np.zeros(num_rows, dtype=np.float32)
+        for row, i in device.items():
+            p = params[i]
+            if p.temperature == 0.0:
+                continue
+            gen = generators[i]
+            if gen is None:
+                raise ValueError(f"row {row} samples (temperature > 0) but has no generator")
+            temperature[row] = p.temperature
+            top_k[row] = max(p.top_k, 0)
+            top_p[row] = p.top_p
+            min_p[row] = p.min_p
+            # float32 can round a draw just below 1 up to 1.0; keep it inside [0, 1)
+            uniform[row] = min(gen.random(), float(np.float32(1) - np.finfo(np.float32).epsneg))
+        controls = SamplingControls(temperature, top_k, top_p, min_p, uniform)
+        return np.asarray(self.runner.sample(controls))

@@ -1,0 +1,207 @@
+"""The token sampler compiled into GPU artifacts (CUDA, Metal): one thread block per row.
+
+The algorithm and its semantics are the CPU kernel's (`cpu_sampling.py`: bisection over
+order-preserving int32 keys for top-k and top-p, a threshold for min-p, an inverse-CDF draw
+in token order). Here each bisection step is one pass of the block's threads over the row
+and a shared-memory tree reduction; every thread keeps the same copy of the row's scalars,
+so the branches stay uniform and TVM's sync pass can place the barriers.
+
+The draw: each thread sums one contiguous segment of the row, then every thread walks the
+segment sums and the chosen segment (a few hundred steps) and thread 0 writes the token.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .cpu_sampling import CONTROLS, FLOAT_MIN, KEY_NEG_INF, KEY_PAD, STEPS, key, workspace_width
+from .tir_math import LOG2E
+
+THREADS = 256  # threads per row; workspace_width is a multiple of it
+LOG_THREADS = 8
+
+
+def sample_kernel(vocab: int, padded: int):
+    """Same signature and outputs as `cpu_sampling.sample_kernel`."""
+    width = workspace_width(vocab)
+    per_thread = width // THREADS  # strided elements per thread in a pass, and segment length
+    f32_min = tirx.const(FLOAT_MIN, "float32")
+
+    def logit(x, r, i):
+        return T.if_then_else(i < vocab, x[r, T.min(i, vocab - 1)], f32_min)
+
+    @T.macro
+    def reduce_f(red_f, tx, f, value, combine):
+        """f[7] <- combine over the block of every thread's `value`."""
+        red_f[tx] = value
+        for i in T.unroll(LOG_THREADS):
+            if tx % (2 << i) == 0:
+                red_f[tx] = combine(red_f[tx], red_f[tx + (1 << i)])
+        f[7] = red_f[0]
+
+    @T.macro
+    def reduce_i(red_i, tx, k, value, combine):
+        """k[7] <- combine over the block of every thread's int32 `value`."""
+        red_i[tx] = value
+        for i in T.unroll(LOG_THREADS):
+            if tx % (2 << i) == 0:
+                red_i[tx] = combine(red_i[tx], red_i[tx + (1 << i)])
+        k[7] = T.Cast("int64", red_i[0])
+
+    @T.macro
+    def mass_from(keys, weights, r, tx, red_f, f, at_least):
+        """f[7] <- the row's mass of weights whose key is >= at_least."""
+        f[6] = T.float32(0)
+        for c in T.serial(per_thread):
+            f[6] += T.if_then_else(
+                keys[r, c * THREADS + tx] >= T.Cast("int32", at_least),
+                weights[r, c * THREADS + tx],
+                T.float32(0),
+            )
+        reduce_f(red_f, tx, f, f[6], _add)
+
+    @T.prim_func(s_tir=True)
+    def sample(
+        logits_h: T.handle,
+        controls_h: T.handle,
+        token_h: T.handle,
+        weights_h: T.handle,
+        keys_h: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True})
+        n = T.int64()
+        x = T.match_buffer(logits_h, (n, padded), "float32")
+        controls = T.match_buffer(controls_h, (n, CONTROLS), "float32")
+        token = T.match_buffer(token_h, (n,), "int32")
+        weights = T.match_buffer(weights_h, (n, width), "float32")
+        keys = T.match_buffer(keys_h, (n, width), "int32")
+        # per-thread copies of the row's scalars (the same values in every thread)
+        f = T.sblock_alloc_buffer((8,), "float32", scope="local")
+        k = T.sblock_alloc_buffer((8,), "int64", scope="local")
+        red_f = T.sblock_alloc_buffer((THREADS,), "float32", scope="shared")
+        red_i = T.sblock_alloc_buffer((THREADS,), "int32", scope="shared")
+
+        for r in T.thread_binding(n, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                f[6] = f32_min
+                for c in T.serial(per_thread):
+                    f[6] = T.max(f[6], logit(x, r, c * THREADS + tx))
+                reduce_f(red_f, tx, f, f[6], _max)
+                f[0] = f[7]  # max logit
+                if T.tvm_thread_invariant(controls[r, 0] <= T.float32(0) or f[0] <= f32_min):
+                    k[6] = T.int64(vocab)
+                    for c in T.serial(per_thread):
+                        if (
+                            c * THREADS + tx < vocab
+                            and x[r, T.min(c * THREADS + tx, vocab - 1)] == f[0]
+                        ):
+                            k[6] = T.min(k[6], T.Cast("int64", c * THREADS + tx))
+                    reduce_i(red_i, tx, k, T.Cast("int32", k[6]), _min)
+                    if tx == 0:
+                        token[r] = T.Cast("int32", T.min(k[7], T.int64(vocab - 1)))
+                else:
+                    f[1] = f[0] / controls[r, 0]
+                    for c in T.serial(per_thread):
+                        weights[r, c * THREADS + tx] = T.if_then_else(
+                            c * THREADS + tx < vocab,
+                            T.exp2(
+                                (logit(x, r, c * THREADS + tx) / controls[r, 0] - f[1])
+                                * T.float32(LOG2E)
+                            ),
+                            T.float32(0),
+                        )
+                        keys[r, c * THREADS + tx] = T.if_then_else(
+                            c * THREADS + tx < vocab,
+                            key(logit(x, r, c * THREADS + tx) / controls[r, 0]),
+                            KEY_PAD,
+                        )
+                    k[3] = T.int64(KEY_NEG_INF)
+                    if T.tvm_thread_invariant(
+                        controls[r, 1] > T.float32(0) and controls[r, 1] < T.float32(vocab)
+                    ):
+                        k[0] = T.int64(KEY_NEG_INF)
+                        k[1] = T.Cast("int64", key(f[1])) + 1
+                        for _step in T.serial(STEPS):
+                            if T.tvm_thread_invariant(k[1] - k[0] > 1):
+                                k[2] = (k[0] + k[1]) >> 1
+                                k[6] = T.int64(0)
+                                for c in T.serial(per_thread):
+                                    if keys[r, c * THREADS + tx] >= T.Cast("int32", k[2]):
+                                        k[6] += 1
+                                reduce_i(red_i, tx, k, T.Cast("int32", k[6]), _add)
+                                if k[7] >= T.Cast("int64", controls[r, 1]):
+                                    k[0] = k[2]
+                                else:
+                                    k[1] = k[2]
+                        k[3] = k[0]
+                    if T.tvm_thread_invariant(controls[r, 2] < T.float32(1)):
+                        mass_from(keys, weights, r, tx, red_f, f, k[3])
+                        f[2] = f[7] * controls[r, 2]
+                        k[0] = k[3]
+                        k[1] = T.Cast("int64", key(f[1])) + 1
+                        for _step in T.serial(STEPS):
+                            if T.tvm_thread_invariant(k[1] - k[0] > 1):
+                                k[2] = (k[0] + k[1]) >> 1
+                                mass_from(keys, weights, r, tx, red_f, f, k[2])
+                                if f[7] >= f[2]:
+                                    k[0] = k[2]
+                                else:
+                                    k[1] = k[2]
+                        k[3] = k[0]
+                    if controls[r, 3] > T.float32(0):
+                        k[3] = T.max(k[3], T.Cast("int64", key(f[1] + T.log(controls[r, 3]))))
+
+                    # each thread's contiguous segment, summed into red_f
+                    f[6] = T.float32(0)
+                    for c in T.serial(per_thread):
+                        f[6] += T.if_then_else(
+                            keys[r, tx * per_thread + c] >= T.Cast("int32", k[3]),
+                            weights[r, tx * per_thread + c],
+                            T.float32(0),
+                        )
+                    reduce_f(red_f, tx, f, f[6], _add)
+                    f[3] = f[7] * controls[r, 4]  # target
+                    red_f[tx] = f[6]  # the segment sums, for every thread to walk
+                    f[4] = T.float32(0)
+                    k[4] = T.int64(-1)
+                    k[5] = T.int64(0)
+                    for s in T.serial(THREADS):
+                        f[5] = red_f[s]  # a shared load may not sit in a condition
+                        if k[4] < 0:
+                            if f[5] > T.float32(0):
+                                k[5] = s
+                            if f[4] + f[5] > f[3]:
+                                k[4] = s
+                            else:
+                                f[4] += f[5]
+                    if k[4] < 0:
+                        k[4] = k[5]
+                        f[3] = T.float32(math.inf)
+                    k[6] = T.int64(-1)
+                    k[7] = k[4] * per_thread
+                    for j in T.serial(per_thread):
+                        if keys[r, k[4] * per_thread + j] >= T.Cast("int32", k[3]):
+                            k[7] = k[4] * per_thread + j
+                            if k[6] < 0:
+                                f[4] += weights[r, k[4] * per_thread + j]
+                                if f[4] > f[3]:
+                                    k[6] = k[4] * per_thread + j
+                    if tx == 0:
+                        token[r] = T.Cast("int32", T.if_then_else(k[6] >= 0, k[6], k[7]))
+
+    return sample
+
+
+def _max(a, b):
+    return T.max(a, b)
+
+
+def _min(a, b):
+    return T.min(a, b)
+
+
+def _add(a, b):
+    return a + b
