@@ -6,8 +6,11 @@ in token order). Here each bisection step is one pass of the block's threads ove
 and a shared-memory tree reduction; every thread keeps the same copy of the row's scalars,
 so the branches stay uniform and TVM's sync pass can place the barriers.
 
-The draw: each thread sums one contiguous segment of the row, then every thread walks the
-segment sums and the chosen segment (a few hundred steps) and thread 0 writes the token.
+Thread t owns the contiguous tokens [t * L, (t + 1) * L) of its row (L = width / THREADS),
+stored interleaved (its c-th token at slot c * THREADS + t) so that a pass's loads are
+coalesced and no thread reads scratch another thread wrote. The draw: every thread walks
+the segment sums (shared memory) to the segment holding `u * total`, whose owner walks its
+tokens and writes the result.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def sample_kernel(vocab: int, padded: int):
 
     @T.macro
     def mass_from(keys, weights, r, tx, red_f, f, at_least):
-        """f[7] <- the row's mass of weights whose key is >= at_least."""
+        """f[7] <- the row's mass of weights with key >= at_least; f[6] <- this thread's part."""
         f[6] = T.float32(0)
         for c in T.serial(per_thread):
             f[6] += T.if_then_else(
@@ -104,18 +107,21 @@ def sample_kernel(vocab: int, padded: int):
                         token[r] = T.Cast("int32", T.min(k[7], T.int64(vocab - 1)))
                 else:
                     f[1] = f[0] / controls[r, 0]
+                    # thread tx owns tokens [tx * per_thread, (tx + 1) * per_thread), its
+                    # c-th at slot c * THREADS + tx: reads stay coalesced, and no thread
+                    # ever reads the scratch another wrote (no global-memory barrier needed)
                     for c in T.serial(per_thread):
                         weights[r, c * THREADS + tx] = T.if_then_else(
-                            c * THREADS + tx < vocab,
+                            tx * per_thread + c < vocab,
                             T.exp2(
-                                (logit(x, r, c * THREADS + tx) / controls[r, 0] - f[1])
+                                (logit(x, r, tx * per_thread + c) / controls[r, 0] - f[1])
                                 * T.float32(LOG2E)
                             ),
                             T.float32(0),
                         )
                         keys[r, c * THREADS + tx] = T.if_then_else(
-                            c * THREADS + tx < vocab,
-                            key(logit(x, r, c * THREADS + tx) / controls[r, 0]),
+                            tx * per_thread + c < vocab,
+                            key(logit(x, r, tx * per_thread + c) / controls[r, 0]),
                             KEY_PAD,
                         )
                     k[3] = T.int64(KEY_NEG_INF)
@@ -154,15 +160,8 @@ def sample_kernel(vocab: int, padded: int):
                     if controls[r, 3] > T.float32(0):
                         k[3] = T.max(k[3], T.Cast("int64", key(f[1] + T.log(controls[r, 3]))))
 
-                    # each thread's contiguous segment, summed into red_f
-                    f[6] = T.float32(0)
-                    for c in T.serial(per_thread):
-                        f[6] += T.if_then_else(
-                            keys[r, tx * per_thread + c] >= T.Cast("int32", k[3]),
-                            weights[r, tx * per_thread + c],
-                            T.float32(0),
-                        )
-                    reduce_f(red_f, tx, f, f[6], _add)
+                    # each thread's tokens, in token order, summed into red_f
+                    mass_from(keys, weights, r, tx, red_f, f, k[3])
                     f[3] = f[7] * controls[r, 4]  # target
                     red_f[tx] = f[6]  # the segment sums, for every thread to walk
                     f[4] = T.float32(0)
@@ -180,16 +179,16 @@ def sample_kernel(vocab: int, padded: int):
                     if k[4] < 0:
                         k[4] = k[5]
                         f[3] = T.float32(math.inf)
-                    k[6] = T.int64(-1)
-                    k[7] = k[4] * per_thread
-                    for j in T.serial(per_thread):
-                        if keys[r, k[4] * per_thread + j] >= T.Cast("int32", k[3]):
-                            k[7] = k[4] * per_thread + j
-                            if k[6] < 0:
-                                f[4] += weights[r, k[4] * per_thread + j]
-                                if f[4] > f[3]:
-                                    k[6] = k[4] * per_thread + j
-                    if tx == 0:
+                    if T.Cast("int64", tx) == k[4]:  # the owner walks its segment, writes the token
+                        k[6] = T.int64(-1)
+                        k[7] = tx * per_thread
+                        for j in T.serial(per_thread):
+                            if keys[r, j * THREADS + tx] >= T.Cast("int32", k[3]):
+                                k[7] = tx * per_thread + j
+                                if k[6] < 0:
+                                    f[4] += weights[r, j * THREADS + tx]
+                                    if f[4] > f[3]:
+                                        k[6] = tx * per_thread + j
                         token[r] = T.Cast("int32", T.if_then_else(k[6] >= 0, k[6], k[7]))
 
     return sample
