@@ -150,7 +150,9 @@ class DeviceLogits:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         if self._host is None:
             self._host = self._tensor.numpy().reshape(self.shape)
-        return self._host if dtype is None else self._host.astype(dtype)
+        if dtype is None or np.dtype(dtype) == self._host.dtype:
+            return self._host
+        return self._host.astype(dtype)
 
     def __getitem__(self, index):
         return np.asarray(self)[index]

@@ -85,3 +85,30 @@ def test_a_runner_without_the_compiled_sampler_samples_on_the_host():
     engine = _engine(device=False)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert engine.sampling.device_rows == 0 and engine.runner.device_sampled_rows == 0
+
+
+class _CountingTensor:
+    """Stands in for a device tensor: counts copies to the host."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host, self.copies = host, 0
+
+    def numpy(self) -> np.ndarray:
+        self.copies += 1
+        return self.host.copy()
+
+
+def test_device_logits_reach_the_host_only_for_host_rows():
+    """On a GPU the forward's logits stay on the device unless a host row reads them."""
+    from tallow.runtime.model_runner import DeviceLogits
+
+    runner = FakeModelRunner(vocab_size=V)
+    host = _forward(runner, 3)
+    plain = [SamplingParams(temperature=0.0)] * 3
+    for params, copies in ((plain, 0), ([*plain[:2], SamplingParams(logprobs=True)], 1)):
+        tensor = _CountingTensor(host)
+        out = StepSampler(runner).sample(
+            DeviceLogits(tensor, 3, V), [0, 1, 2], params, [make_generator(0)] * 3, [], []
+        )
+        assert tensor.copies == copies
+        assert out.token_ids[:2].tolist() == np.argmax(host[:2], axis=1).tolist()
