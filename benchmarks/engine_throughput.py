@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from tallow.runtime.engine_factory import EngineOptions, build_engine
+from tallow.runtime.model_runner_protocol import SAMPLER_FUNCTION
 from tallow.runtime.sampling_params import SamplingParams
 
 SAMPLING = {
@@ -53,8 +54,8 @@ def run(
     forward_time = [0.0]
     runner.forward = _timed(runner.forward, forward_time)
     funcs = getattr(runner, "_funcs", {})
-    if "sample_tokens" in funcs:
-        funcs["sample_tokens"] = _timed(funcs["sample_tokens"], forward_time)
+    if SAMPLER_FUNCTION in funcs:
+        funcs[SAMPLER_FUNCTION] = _timed(funcs[SAMPLER_FUNCTION], forward_time)
     rng = np.random.default_rng(0)
     prompts = [
         [int(t) for t in rng.integers(100, 20000, size=prompt_len)] for _ in range(concurrency)

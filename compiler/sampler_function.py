@@ -12,7 +12,9 @@ outputs are planned like any other intermediate.
 
 from __future__ import annotations
 
-SAMPLER_FUNCTION = "sample_tokens"
+from tallow.runtime.model_runner_protocol import CONTROL_COLUMNS, SAMPLER_FUNCTION
+
+__all__ = ["SAMPLER_FUNCTION", "add_sampler_function"]
 
 
 def add_sampler_function(mod, vocab_size: int, kind: str):
@@ -31,7 +33,7 @@ def add_sampler_function(mod, vocab_size: int, kind: str):
         return relax.Var(name, relax.TensorType(shape, dtype))
 
     logits = tensor("logits", (n, vocab_size), "float32")
-    controls = tensor("controls", (n, cpu_sampling.CONTROLS), "float32")
+    controls = tensor("controls", (n, len(CONTROL_COLUMNS)), "float32")
     bb = relax.BlockBuilder(mod)
     with bb.function(SAMPLER_FUNCTION, [logits, controls]):
         gv = bb.add_func(kernel, "sample_tokens_kernel")

@@ -25,9 +25,7 @@ from .artifact import (
 from .cpu_threads import configure_cpu_threads
 from .errors import ArtifactError
 from .manifest import Manifest
-from .model_runner_protocol import SamplingControls
-
-SAMPLER_FUNCTION = "sample_tokens"  # compiler/sampler_function.py adds it to the artifact
+from .model_runner_protocol import SAMPLER_FUNCTION, SamplingControls
 
 log = logging.getLogger(__name__)
 
@@ -272,12 +270,7 @@ class TVMModelRunner:
         if not self.supports_device_sampling or self._last_logits is None:
             raise RuntimeError("sample() needs an artifact with sample_tokens and a forward")
         tensor, rows = self._last_logits
-        packed = np.empty((rows, 5), dtype=np.float32)  # the kernel's controls layout
-        packed[:, 0] = controls.temperature
-        packed[:, 1] = controls.top_k
-        packed[:, 2] = controls.top_p
-        packed[:, 3] = controls.min_p
-        packed[:, 4] = controls.uniform
+        packed = controls.packed()
         view = tensor._create_view((rows, self.vocab_size))
         sample_tokens = self._funcs[SAMPLER_FUNCTION]
         if self.manifest.target.kind == "cpu":
@@ -285,8 +278,9 @@ class TVMModelRunner:
             return np.from_dlpack(sample_tokens(view, packed))
         # One reused device buffer, one copy (a fresh tensor per input cost 25 us each).
         if self._controls is None or self._controls.shape[0] < rows:
-            self._controls = self._tvm.runtime.empty((max(rows, 64), 5), "float32", self.device)
-        args = self._controls._create_view((rows, 5))
+            shape = (max(rows, 64), packed.shape[1])
+            self._controls = self._tvm.runtime.empty(shape, "float32", self.device)
+        args = self._controls._create_view(packed.shape)
         args.copyfrom(packed)
         return sample_tokens(view, args).numpy()
 

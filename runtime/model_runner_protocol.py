@@ -13,6 +13,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+# The artifact's compiled sampler: `sample_tokens(logits [n, vocab], controls [n, 5])`, the
+# controls' columns in this order (compiler/sampler_function.py, schedules/*_sampling.py).
+SAMPLER_FUNCTION = "sample_tokens"
+CONTROL_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "uniform")
+
 
 @dataclass
 class SamplingControls:
@@ -27,6 +32,11 @@ class SamplingControls:
     top_p: np.ndarray  # float32
     min_p: np.ndarray  # float32
     uniform: np.ndarray  # float32
+
+    def packed(self) -> np.ndarray:
+        """[n, 5] float32 in `CONTROL_COLUMNS` order: the kernel's input (top_k is a whole
+        number, exact in float32 below 2**24)."""
+        return np.stack([getattr(self, c) for c in CONTROL_COLUMNS], axis=1).astype(np.float32)
 
 
 class OutOfPagesError(RuntimeError):

@@ -249,6 +249,22 @@ def _inverse_cdf(y: np.ndarray, thr: np.ndarray, u: np.ndarray) -> np.ndarray:
     return b * _CDF_BLOCK + j
 
 
+def _draw(x, temp, top_k, top_p, min_p, u) -> np.ndarray:
+    """Token per row of `x`, every row sampled (temp > 0): temperature, the cuts, then the
+    inverse-CDF draw at `u`; a row with nothing finite falls back to its argmax."""
+    y = x / temp[:, None]
+    thr = keep_thresholds(y, top_k, top_p, min_p)
+    out = np.empty(len(x), dtype=np.int64)
+    # Vectorised over rows; chunked so the float64 CDF stays ~32 MB.
+    step = max(1, _CDF_CHUNK_ELEMS // max(y.shape[1], 1))
+    for a in range(0, len(x), step):
+        out[a : a + step] = _inverse_cdf(y[a : a + step], thr[a : a + step], u[a : a + step])
+    banned = ~np.isfinite(np.max(y, axis=1))
+    if banned.any():  # every token at -inf (e.g. biased away): fall back to argmax
+        out[banned] = np.argmax(x[banned], axis=1)
+    return out
+
+
 def sample_controls(logits: np.ndarray, controls) -> np.ndarray:
     """Host version of the compiled sampler (`SamplingControls` per row): token per row.
 
@@ -259,13 +275,18 @@ def sample_controls(logits: np.ndarray, controls) -> np.ndarray:
     tokens = np.argmax(x, axis=1).astype(np.int64)
     s = np.flatnonzero(temp > 0)
     if s.size:
-        y = x[s] / temp[s, None]
-        top_k = np.asarray(controls.top_k, dtype=np.int64)[s]
-        top_p = np.asarray(controls.top_p, dtype=np.float64)[s]
-        min_p = np.asarray(controls.min_p, dtype=np.float32)[s]
-        thr = keep_thresholds(y, top_k, top_p, min_p)
-        u = np.asarray(controls.uniform, dtype=np.float64)[s]
-        tokens[s] = _inverse_cdf(y, thr, u)
+
+        def column(name: str, dtype) -> np.ndarray:
+            return np.asarray(getattr(controls, name), dtype=dtype)[s]
+
+        tokens[s] = _draw(
+            x[s],
+            temp[s],
+            column("top_k", np.int64),
+            column("top_p", np.float64),
+            column("min_p", np.float32),
+            column("uniform", np.float64),
+        )
     return tokens
 
 
@@ -287,13 +308,7 @@ class Sampler:
         """
         # Copy only when penalties or biases edit the logits in place: at batch 16 over a 50k
         # vocabulary the copy (and its fresh pages) is most of a greedy step's host time.
-        edits = any(
-            p.repetition_penalty != 1.0
-            or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0
-            or p.logit_bias
-            for p in params
-        )
+        edits = any(p.has_penalties or p.logit_bias for p in params)
         x = np.array(logits, dtype=np.float32) if edits else np.asarray(logits, np.float32)
         if x.ndim != 2 or x.shape[0] != len(params) or len(generators) != len(params):
             raise ValueError("logits must be [batch, vocab] with one params/generator per row")
@@ -311,31 +326,23 @@ class Sampler:
 
         s_idx = np.flatnonzero(~greedy)
         if s_idx.size:
-            tokens[s_idx] = self._draw(x[s_idx], [params[i] for i in s_idx], s_idx, generators)
+            sampled = [params[i] for i in s_idx]
+            temp = np.array([p.temperature for p in sampled], dtype=np.float32)
+            u = self._uniforms(s_idx, generators)
+            tokens[s_idx] = _draw(x[s_idx], temp, *_cut_vectors(sampled), u)
 
         return self._logprobs(x, params, tokens)
 
     @staticmethod
-    def _draw(x, params, rows, generators) -> np.ndarray:
-        temp = np.array([p.temperature for p in params], dtype=np.float32)
-        y = x / temp[:, None]
-        thr = keep_thresholds(y, *_cut_vectors(params))
-        # Exactly one uniform per sampled row per step, from that row's own generator.
-        u = np.empty(len(params), dtype=np.float64)
+    def _uniforms(rows, generators) -> np.ndarray:
+        """Exactly one uniform per sampled row per step, from that row's own generator."""
+        u = np.empty(len(rows), dtype=np.float64)
         for j, row in enumerate(rows):
             gen = generators[row]
             if gen is None:
                 raise ValueError(f"row {row} samples (temperature > 0) but has no generator")
             u[j] = gen.random()
-        out = np.empty(len(params), dtype=np.int64)
-        # Inverse-CDF draw, vectorised over rows; chunked so the float64 CDF stays ~32 MB.
-        step = max(1, _CDF_CHUNK_ELEMS // max(y.shape[1], 1))
-        for a in range(0, len(params), step):
-            out[a : a + step] = _inverse_cdf(y[a : a + step], thr[a : a + step], u[a : a + step])
-        banned = ~np.isfinite(np.max(y, axis=1))
-        if banned.any():  # every token at -inf (e.g. biased away): fall back to argmax
-            out[banned] = np.argmax(x[banned], axis=1)
-        return out
+        return u
 
     @staticmethod
     def _logprobs(x, params, tokens) -> SamplerOutput:

@@ -60,5 +60,14 @@ class SamplingParams:
                     )
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: the sampler needs the histories."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

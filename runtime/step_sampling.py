@@ -25,18 +25,7 @@ from .sampling_params import SamplingParams
 
 def device_can_sample(p: SamplingParams) -> bool:
     """Whether the compiled sampler covers everything `p` asks of a step."""
-    return (
-        p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
-        and not p.logit_bias
-        and not p.logprobs
-        and p.top_logprobs == 0
-    )
-
-
-def _penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    return not (p.has_penalties or p.logit_bias or p.logprobs or p.top_logprobs)
 
 
 class Histories:
@@ -52,6 +41,10 @@ class Histories:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+# The largest float32 below 1: a float64 draw can round up to 1.0 in float32.
+_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
 class StepSampler:
@@ -94,7 +87,7 @@ class StepSampler:
             same_rows = [rows[i] for i in host] == list(range(len(logits)))
             # Every row, in order (plain decode): no fancy-index copy of the logits.
             x = logits if same_rows else np.asarray(logits)[[rows[i] for i in host]]
-            pen = [_penalised(params[i]) for i in host]
+            pen = [params[i].has_penalties for i in host]
             out = self.sampler.sample(
                 x,
                 [params[i] for i in host],
@@ -129,7 +122,6 @@ class StepSampler:
             top_k[row] = max(p.top_k, 0)
             top_p[row] = p.top_p
             min_p[row] = p.min_p
-            # float32 can round a draw just below 1 up to 1.0; keep it inside [0, 1)
-            uniform[row] = min(gen.random(), float(np.float32(1) - np.finfo(np.float32).epsneg))
+            uniform[row] = min(gen.random(), _BELOW_ONE)
         controls = SamplingControls(temperature, top_k, top_p, min_p, uniform)
         return np.asarray(self.runner.sample(controls))

@@ -27,15 +27,17 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tallow.runtime.model_runner_protocol import CONTROL_COLUMNS
+
 from .tir_math import LOG2E, exp2
-from .tir_vectors import reduce_lanes
+from .tir_vectors import add, maximum, minimum, reduce_lanes
 
 # Lanes of each pass's accumulators: four AVX2 registers, so four independent add (or max)
 # chains hide the 3-cycle latency that one chain would wait on (2-3x on these passes).
 LANES = 32
-# Columns of the controls input, one row per logits row: temperature, top_k (a whole number
-# as float32, exact below 2**24), top_p, min_p, uniform draw. One input, so one copy per step.
-CONTROLS = 5
+# Columns of the controls input, one row per logits row (`CONTROL_COLUMNS`: temperature,
+# top_k as a float32, top_p, min_p, uniform draw). One input, so one copy per step.
+CONTROLS = len(CONTROL_COLUMNS)
 BLOCK = 256  # tokens per block of the two-level inverse CDF
 STEPS = 33  # bisection steps: the key range [key(-inf), key(max) + 1) is below 2**32 wide
 KEY_PAD = -(2**31)  # below key(-inf), so padding never passes a cut
@@ -54,18 +56,6 @@ def key(v):
 
 
 KEY_NEG_INF = -2139095041  # key(-inf): the lowest key a real token can have
-
-
-def _max(a, b):
-    return tirx.max(a, b)
-
-
-def _min(a, b):
-    return tirx.min(a, b)
-
-
-def _add(a, b):
-    return a + b
 
 
 def sample_kernel(vocab: int, padded: int):
@@ -134,7 +124,7 @@ def sample_kernel(vocab: int, padded: int):
                             x[r, c * LANES + ln] > facc[ln], c * LANES + ln, iacc[ln]
                         )
                         facc[ln] = T.max(facc[ln], x[r, c * LANES + ln])
-                f[0] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, _max)
+                f[0] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, maximum)
                 k[6] = T.Cast(
                     "int64",
                     reduce_lanes(
@@ -144,7 +134,7 @@ def sample_kernel(vocab: int, padded: int):
                             T.Broadcast(vocab, LANES),
                         ),
                         LANES,
-                        _min,
+                        minimum,
                     ),
                 )
                 for i in T.serial(n_full * LANES, vocab):  # later indices: only a larger value
@@ -187,7 +177,7 @@ def sample_kernel(vocab: int, padded: int):
                                         iacc[ln] += T.Select(
                                             keys[r, c * LANES + ln] >= T.Cast("int32", k[2]), 1, 0
                                         )
-                                count = reduce_lanes(iacc[T.Ramp(0, 1, LANES)], LANES, _add)
+                                count = reduce_lanes(iacc[T.Ramp(0, 1, LANES)], LANES, add)
                                 if count >= T.Cast("int32", controls[r, 1]):
                                     k[0] = k[2]
                                 else:
@@ -195,14 +185,14 @@ def sample_kernel(vocab: int, padded: int):
                         k[3] = k[0]
                     if controls[r, 2] < T.float32(1):
                         mass_from(keys, weights, r, k[3], facc)
-                        f[2] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, _add) * controls[r, 2]
+                        f[2] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, add) * controls[r, 2]
                         k[0] = k[3]
                         k[1] = T.Cast("int64", key(f[1])) + 1
                         for _step in T.serial(STEPS):
                             if k[1] - k[0] > 1:
                                 k[2] = (k[0] + k[1]) >> 1
                                 mass_from(keys, weights, r, k[2], facc)
-                                if reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, _add) >= f[2]:
+                                if reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, add) >= f[2]:
                                     k[0] = k[2]
                                 else:
                                     k[1] = k[2]
@@ -211,7 +201,7 @@ def sample_kernel(vocab: int, padded: int):
                         k[3] = T.max(k[3], T.Cast("int64", key(f[1] + T.log(controls[r, 3]))))
 
                     mass_from(keys, weights, r, k[3], facc)
-                    f[3] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, _add) * controls[r, 4]
+                    f[3] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, add) * controls[r, 4]
                     f[4] = T.float32(0)
                     k[4] = T.int64(-1)
                     k[5] = T.int64(0)
@@ -227,7 +217,7 @@ def sample_kernel(vocab: int, padded: int):
                                         weights[r, b * BLOCK + c * LANES + ln],
                                         T.float32(0),
                                     )
-                            f[5] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, _add)
+                            f[5] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, add)
                             if f[5] > T.float32(0):
                                 k[5] = b
                             if f[4] + f[5] > f[3]:

@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 
 from .cpu_sampling import CONTROLS, FLOAT_MIN, KEY_NEG_INF, KEY_PAD, STEPS, key, workspace_width
 from .tir_math import LOG2E
+from .tir_vectors import add, maximum, minimum
 
 THREADS = 256  # threads per row; workspace_width is a multiple of it
 LOG_THREADS = 8
@@ -37,22 +38,12 @@ def sample_kernel(vocab: int, padded: int):
         return T.if_then_else(i < vocab, x[r, T.min(i, vocab - 1)], f32_min)
 
     @T.macro
-    def reduce_f(red_f, tx, f, value, combine):
-        """f[7] <- combine over the block of every thread's `value`."""
-        red_f[tx] = value
+    def tree_reduce(red, tx, value, combine):
+        """red[0] <- combine over the block of every thread's `value` (barriers: TVM's)."""
+        red[tx] = value
         for i in T.unroll(LOG_THREADS):
             if tx % (2 << i) == 0:
-                red_f[tx] = combine(red_f[tx], red_f[tx + (1 << i)])
-        f[7] = red_f[0]
-
-    @T.macro
-    def reduce_i(red_i, tx, k, value, combine):
-        """k[7] <- combine over the block of every thread's int32 `value`."""
-        red_i[tx] = value
-        for i in T.unroll(LOG_THREADS):
-            if tx % (2 << i) == 0:
-                red_i[tx] = combine(red_i[tx], red_i[tx + (1 << i)])
-        k[7] = T.Cast("int64", red_i[0])
+                red[tx] = combine(red[tx], red[tx + (1 << i)])
 
     @T.macro
     def mass_from(keys, weights, r, tx, red_f, f, at_least):
@@ -64,7 +55,8 @@ def sample_kernel(vocab: int, padded: int):
                 weights[r, c * THREADS + tx],
                 T.float32(0),
             )
-        reduce_f(red_f, tx, f, f[6], _add)
+        tree_reduce(red_f, tx, f[6], add)
+        f[7] = red_f[0]
 
     @T.prim_func(s_tir=True)
     def sample(
@@ -92,8 +84,8 @@ def sample_kernel(vocab: int, padded: int):
                 f[6] = f32_min
                 for c in T.serial(per_thread):
                     f[6] = T.max(f[6], logit(x, r, c * THREADS + tx))
-                reduce_f(red_f, tx, f, f[6], _max)
-                f[0] = f[7]  # max logit
+                tree_reduce(red_f, tx, f[6], maximum)
+                f[0] = red_f[0]  # max logit
                 if T.tvm_thread_invariant(controls[r, 0] <= T.float32(0) or f[0] <= f32_min):
                     k[6] = T.int64(vocab)
                     for c in T.serial(per_thread):
@@ -102,9 +94,9 @@ def sample_kernel(vocab: int, padded: int):
                             and x[r, T.min(c * THREADS + tx, vocab - 1)] == f[0]
                         ):
                             k[6] = T.min(k[6], T.Cast("int64", c * THREADS + tx))
-                    reduce_i(red_i, tx, k, T.Cast("int32", k[6]), _min)
+                    tree_reduce(red_i, tx, T.Cast("int32", k[6]), minimum)
                     if tx == 0:
-                        token[r] = T.Cast("int32", T.min(k[7], T.int64(vocab - 1)))
+                        token[r] = T.min(red_i[0], vocab - 1)
                 else:
                     f[1] = f[0] / controls[r, 0]
                     # thread tx owns tokens [tx * per_thread, (tx + 1) * per_thread), its
@@ -137,7 +129,8 @@ def sample_kernel(vocab: int, padded: int):
                                 for c in T.serial(per_thread):
                                     if keys[r, c * THREADS + tx] >= T.Cast("int32", k[2]):
                                         k[6] += 1
-                                reduce_i(red_i, tx, k, T.Cast("int32", k[6]), _add)
+                                tree_reduce(red_i, tx, T.Cast("int32", k[6]), add)
+                                k[7] = T.Cast("int64", red_i[0])
                                 if k[7] >= T.Cast("int64", controls[r, 1]):
                                     k[0] = k[2]
                                 else:
@@ -192,15 +185,3 @@ def sample_kernel(vocab: int, padded: int):
                         token[r] = T.Cast("int32", T.if_then_else(k[6] >= 0, k[6], k[7]))
 
     return sample
-
-
-def _max(a, b):
-    return T.max(a, b)
-
-
-def _min(a, b):
-    return T.min(a, b)
-
-
-def _add(a, b):
-    return a + b

@@ -23,3 +23,11 @@ def reduce_lanes(vec, count: int, combine):
 
 def add(a, b):
     return a + b
+
+
+def maximum(a, b):
+    return tirx.max(a, b)
+
+
+def minimum(a, b):
+    return tirx.min(a, b)

@@ -29,10 +29,9 @@ def _build(vocab: int):
 def _run(kernel, logits: np.ndarray, c: SamplingControls) -> np.ndarray:
     n, vocab = logits.shape
     width = cpu_sampling.workspace_width(vocab)
-    packed = np.stack([c.temperature, c.top_k, c.top_p, c.min_p, c.uniform], 1)
     args = [
         logits,
-        packed.astype(np.float32),
+        c.packed(),
         np.zeros(n, np.int32),
         np.zeros((n, width), np.float32),
         np.zeros((n, width), np.int32),
