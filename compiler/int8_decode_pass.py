@@ -8,9 +8,9 @@ pass substitutes `schedules.cpu_int8_gemv`'s hand-written kernel, with the same 
 as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token axis) keep
 float activations and the tiled schedule.
 
-This changes decode's numerics in the way llama.cpp's do: activations are rounded to Q8_0
-before the product (see `cpu_int8_gemv`). The manifest records it
-(`target.details.decode_activations`).
+This changes decode's numerics in the way llama.cpp's do: activations are rounded to int8
+per 32 before the product (Q8_0's codes; the scales as int16 multiples of a step per row, see
+`schedules.cpu_int8_ops`). The manifest records it (`target.details.decode_activations`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger(__name__)
+
+# int8 codes per 32, each group's scale an int16 multiple of one step per row
+ACTIVATIONS = "int8_g32_row_step"
 
 
 def int8_kernel_for(func):
@@ -54,7 +57,7 @@ def int8_decode_kernels(details: dict):
                     updated[gv] = kernel
         for gv, kernel in updated.items():
             mod[gv] = kernel
-        details["decode_activations"] = "q8_0" if updated else "float32"
+        details["decode_activations"] = ACTIVATIONS if updated else "float32"
         details["int8_decode_kernels"] = len(updated)
         log.info("int8-activation decode kernels: %d", len(updated))
         return mod

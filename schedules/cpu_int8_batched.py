@@ -2,23 +2,23 @@
 
 `batch_decode` multiplies one token per sequence by every weight matrix: `[batch, 1, K]`.
 The row kernel of `cpu_int8_gemv`, run over 4 sequences at a time, cost about 8 vector
-instructions per 32-weight group and sequence; this one gets that to about 5, which is what
-its integer dot product needs (`pmaddubsw`, `pmaddwd`, a convert, a multiply by the two
-scales, an FMA). SmolLM2's gate/up projection (q4_1, 3072 x 576) for 16 sequences went from
-0.71 to 0.48 ms (the float tiled schedule: 0.83 ms); `benchmarks/decode_matmul.py` prints
+instructions per 32-weight group and sequence; this one gets that to 4, what its integer
+dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier, a
+convert, an FMA with the weight scale; see `cpu_int8_ops`). SmolLM2's gate/up projection
+(q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
+schedule: 0.83 ms) and to 0.41 ms with the multipliers; `benchmarks/decode_matmul.py` prints
 the comparison.
 
-* `TILE_ROWS` sequences share each decoded group of weight codes (one load and unpack);
-* each group's activation scale is stored broadcast to 8 lanes, so its product with the
-  weight scale is one vector multiply with a memory operand (LLVM turns a scalar scale into
-  a scalar multiply and a register broadcast: two instructions per sequence);
+* `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
+  load and unpack);
 * the formats' offsets (mins, q4_0's -8) multiply the activations' group sums, which are
-  stored sequence-minor, so one FMA covers the whole tile (not a gather per sequence).
+  stored sequence-minor, so one FMA covers the whole tile (not a gather per sequence);
+* the rows are quantized in parallel (serially, 16 rows of K = 1536 took 33 us of a
+  0.2 ms kernel).
 
-The activations are quantized as `cpu_int8_gemv` documents (Q8_0's rule, per 32), into
-buffers padded to whole tiles with zero rows, so the tile needs no bounds check; only the
-stores are guarded. Tests compare it with numpy on gguf's dequantizers, as the single-row
-kernel.
+The activations are quantized as `cpu_int8_ops` documents, into buffers padded to whole
+tiles with zero rows, so the tile needs no bounds check; only the stores are guarded.
+Tests compare it with numpy on gguf's dequantizers, as the single-row kernel.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from tallow.model_defs.quant_ops import row_bytes
 
 from .cpu_int8_codes import LANES, SIGNED, group
 from .cpu_int8_ops import (
+    MULT_LANES,
     N_CHUNK,
-    SCALE_LANES,
     code_type,
     dot,
     lane_scales,
@@ -59,7 +59,7 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
     full = B // TILE_ROWS
     tail = (B - full * TILE_ROWS + TAIL_ROWS - 1) // TAIL_ROWS
     padded = full * TILE_ROWS + tail * TAIL_ROWS
-    quantize = quantize_macro(halves)
+    quantize = quantize_macro(groups, halves)
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
 
@@ -69,45 +69,44 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
         x = T.match_buffer(x_handle, (B, T.int64(1), k), "float32")
         out = T.match_buffer(out_handle, (B, T.int64(1), n_out), "float32")
         xq = T.sblock_alloc_buffer((padded, k), "int8")
-        xd = T.sblock_alloc_buffer((padded, groups * SCALE_LANES), "float32")
+        xm = T.sblock_alloc_buffer((padded, groups * MULT_LANES), "int16")
+        xr = T.sblock_alloc_buffer((padded,), "float32")
         xs = T.sblock_alloc_buffer((groups * halves, padded), "float32")
-        for r, g in T.grid(B, groups):
+        for r in T.parallel(B):
             with T.sblock("quantize"):
-                T.reads(x[r, 0, g * LANES : g * LANES + LANES])
-                T.writes(
-                    xq[r, g * LANES : g * LANES + LANES],
-                    xd[r, g * SCALE_LANES : g * SCALE_LANES + SCALE_LANES],
-                    xs[g * halves : g * halves + halves, r],
-                )
-                quantize(x, r, g, xq, xd, xs)
+                T.reads(x[r, 0, 0:k])
+                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r])
+                quantize(x, r, xq, xm, xr, xs)
         for r, g in T.grid(padded - B, groups):
             with T.sblock("pad"):
                 T.reads()
                 T.writes(
                     xq[B + r, g * LANES : g * LANES + LANES],
-                    xd[B + r, g * SCALE_LANES : g * SCALE_LANES + SCALE_LANES],
+                    xm[B + r, g * MULT_LANES : g * MULT_LANES + MULT_LANES],
+                    xr[B + r],
                     xs[g * halves : g * halves + halves, B + r],
                 )
                 xq[B + r, T.Ramp(g * LANES, 1, LANES)] = T.Broadcast(T.int8(0), LANES)
-                xd[B + r, T.Ramp(g * SCALE_LANES, 1, SCALE_LANES)] = T.Broadcast(
-                    T.float32(0), SCALE_LANES
+                xm[B + r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
+                    T.int16(0), MULT_LANES
                 )
+                xr[B + r] = T.float32(0)
                 for h in T.unroll(halves):
                     xs[g * halves + h, B + r] = T.float32(0)
         for nc in T.parallel(n_out // N_CHUNK):
             for rt in range(full):
                 for ni in range(N_CHUNK):
                     with T.sblock("dot"):
-                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xd[:, :], xs[:, :])
+                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
                         T.writes(out[:, 0, nc * N_CHUNK + ni])
-                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xd, xs, out, B)
+                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B)
             for rt in range(tail):
                 for ni in range(N_CHUNK):
                     with T.sblock("dot_tail"):
-                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xd[:, :], xs[:, :])
+                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
                         T.writes(out[:, 0, nc * N_CHUNK + ni])
                         r0: T.let[T.int64] = full * TILE_ROWS + rt * TAIL_ROWS
-                        tail_tile(w, nc * N_CHUNK + ni, r0, xq, xd, xs, out, B)
+                        tail_tile(w, nc * N_CHUNK + ni, r0, xq, xm, xr, xs, out, B)
 
     return gemm
 
@@ -118,7 +117,7 @@ def _tile_macro(qtype: str, groups: int, rows: int):
     halves = offset_halves(qtype)
 
     @T.macro
-    def tile(w, n, r0, xq, xd, xs, out, B):
+    def tile(w, n, r0, xq, xm, xr, xs, out, B):
         acc = T.sblock_alloc_buffer((rows * 8,), "float32", scope="local")
         off = T.sblock_alloc_buffer((rows,), "float32", scope="local")
         for i in T.unroll(rows):
@@ -133,17 +132,18 @@ def _tile_macro(qtype: str, groups: int, rows: int):
             ws: T.let[T.float32x8] = lane_scales(s_lo, s_hi)
             for i in T.unroll(rows):
                 sums: T.let[T.int32x8] = dot(
-                    codes, xq.vload([r0 + i, g * LANES], "int8x32"), signed
+                    codes,
+                    xq.vload([r0 + i, g * LANES], "int8x32"),
+                    xm.vload([r0 + i, g * MULT_LANES], "int16x16"),
+                    signed,
                 )
-                acc[T.Ramp(i * 8, 1, 8)] = acc[T.Ramp(i * 8, 1, 8)] + T.Cast("float32x8", sums) * (
-                    ws * xd.vload([r0 + i, g * SCALE_LANES], "float32x8")
-                )
+                acc[T.Ramp(i * 8, 1, 8)] = acc[T.Ramp(i * 8, 1, 8)] + T.Cast("float32x8", sums) * ws
             off[T.Ramp(0, 1, rows)] = off[T.Ramp(0, 1, rows)] + _offsets(
                 xs, g, r0, o_lo, o_hi, halves, rows
             )
         for i in T.unroll(rows):
             if r0 + i < B:
-                out[r0 + i, 0, n] = sum_lanes(acc, i) + off[i]
+                out[r0 + i, 0, n] = xr[r0 + i] * sum_lanes(acc, i) + off[i]
 
     return tile
 

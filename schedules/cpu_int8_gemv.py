@@ -1,10 +1,11 @@
 """Decode matrix-vector kernels for quantized weights: int8 activations, integer dot products.
 
 What llama.cpp does on x86, as TensorIR: the activation row is quantized to int8 in groups
-of 32 (Q8_0's rule: `d = max|x| / 127`, `q = round(x / d)` half away from zero, `d` kept
-as f16), then every 32-weight group of a row costs one `pmaddubsw` (32 unsigned weight codes
-times 32 int8 activations, pairwise summed to 16 int16), one `pmaddwd` (to 8 int32), one
-convert and one FMA into 8 float partial sums, scaled by the group's `scale * d`. The
+of 32 (Q8_0's codes, each group's scale an int16 multiple of a step per row: see
+`cpu_int8_ops`), then every 32-weight group of a row costs one `pmaddubsw` (32 unsigned
+weight codes times 32 int8 activations, pairwise summed to 16 int16), one `pmaddwd` (to 8
+int32, times the activations' multiplier), one convert and one FMA with the weight scale
+into 8 float partial sums; the row's step multiplies the total once. The
 formats' offsets (mins, the `-8` of q4_0, ...) multiply the group's activation sum, which
 the quantize step computes once. See `cpu_int8_codes` for how each format becomes codes.
 
@@ -12,9 +13,10 @@ Compared with the float schedule of `cpu_quant` (decode each weight to float, th
 about one instruction per weight), this is about half an instruction per weight; SmolLM2's
 q4_1 gate/up projection went from 0.35 to 0.14 ms.
 
-Numerics: the result is the exact dot product of the dequantized weights with the Q8_0
-round trip of the activations, up to float32 summation order; tests compare it with
-`gguf.quants.dequantize(W) @ dequantize(quantize(x, Q8_0))` in numpy. Only decode uses it
+Numerics: the result is the exact dot product of the dequantized weights with the rounded
+activations, up to float32 summation order; tests compare it with
+`gguf.quants.dequantize(W)` times the activations rounded in numpy (gguf's Q8_0 codes, the
+multipliers as `cpu_int8_ops` defines them). Only decode uses it
 (one token per sequence); prefill keeps float activations (`cpu_tiled`), as its weights are
 decoded once per tile of tokens and it is not bound by the per-weight decode cost.
 
@@ -29,8 +31,8 @@ from tallow.model_defs.quant_ops import BLOCK, row_bytes
 
 from .cpu_int8_codes import LANES, SIGNED, group
 from .cpu_int8_ops import (
+    MULT_LANES,
     N_CHUNK,
-    SCALE_LANES,
     code_type,
     dot,
     lane_scales,
@@ -81,7 +83,7 @@ def _row_kernel(qtype: str, n_out: int, k: int):
     chains = 2 if groups % 2 == 0 else 1
     # K-quants: a whole super-block per iteration, so its scale bytes are loaded once
     unroll = max(BLOCK[qtype][0] // LANES, chains)
-    quantize = quantize_macro(halves)
+    quantize = quantize_macro(groups, halves)
 
     @T.prim_func(s_tir=True, private=True)
     def gemv(
@@ -91,21 +93,17 @@ def _row_kernel(qtype: str, n_out: int, k: int):
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
         xq = T.sblock_alloc_buffer((1, k), "int8")
-        xd = T.sblock_alloc_buffer((1, groups * SCALE_LANES), "float32")
+        xm = T.sblock_alloc_buffer((1, groups * MULT_LANES), "int16")
+        xr = T.sblock_alloc_buffer((1,), "float32")
         xs = T.sblock_alloc_buffer((groups * halves, 1), "float32")
-        for g in range(groups):
-            with T.sblock("quantize"):
-                T.reads(x[0, 0, g * LANES : g * LANES + LANES])
-                T.writes(
-                    xq[0, g * LANES : g * LANES + LANES],
-                    xd[0, g * SCALE_LANES : g * SCALE_LANES + SCALE_LANES],
-                    xs[g * halves : g * halves + halves, 0],
-                )
-                quantize(x, 0, g, xq, xd, xs)
+        with T.sblock("quantize"):
+            T.reads(x[0, 0, 0:k])
+            T.writes(xq[0, 0:k], xm[0, 0 : groups * MULT_LANES], xr[0], xs[:, 0])
+            quantize(x, 0, xq, xm, xr, xs)
         for nc in T.parallel(n_out // N_CHUNK):
             for ni in range(N_CHUNK):
                 with T.sblock("dot"):
-                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xd[0, :], xs[:, 0])
+                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xm[0, :], xr[0], xs[:, 0])
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
                     n: T.let[T.int32] = nc * N_CHUNK + ni
                     acc = T.sblock_alloc_buffer((chains * 8,), "float32", scope="local")
@@ -124,21 +122,22 @@ def _row_kernel(qtype: str, n_out: int, k: int):
                             o_lo: T.let[T.float32] = group(w, qtype, n, g).offset_lo
                             o_hi: T.let[T.float32] = group(w, qtype, n, g).offset_hi
                             sums: T.let[T.int32x8] = dot(
-                                codes, xq.vload([0, g * LANES], "int8x32"), signed
+                                codes,
+                                xq.vload([0, g * LANES], "int8x32"),
+                                xm.vload([0, g * MULT_LANES], "int16x16"),
+                                signed,
                             )
                             acc[T.Ramp(a * 8, 1, 8)] = acc[T.Ramp(a * 8, 1, 8)] + T.Cast(
                                 "float32x8", sums
-                            ) * (
-                                lane_scales(s_lo, s_hi)
-                                * xd.vload([0, g * SCALE_LANES], "float32x8")
-                            )
+                            ) * lane_scales(s_lo, s_hi)
                             # one add on the loop-carried chain, the products off it
                             off[a] = off[a] + _offset(xs, g, o_lo, o_hi, halves)
-                    total: T.let[T.float32] = sum_lanes(acc, 0) + off[0]
                     if chains == 2:
-                        out[0, 0, n] = total + sum_lanes(acc, 1) + off[1]
+                        out[0, 0, n] = (
+                            xr[0] * (sum_lanes(acc, 0) + sum_lanes(acc, 1)) + off[0] + off[1]
+                        )
                     else:
-                        out[0, 0, n] = total
+                        out[0, 0, n] = xr[0] * sum_lanes(acc, 0) + off[0]
 
     return gemv
 
