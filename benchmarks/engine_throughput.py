@@ -4,7 +4,9 @@ and the per-step host overhead outside the compiled functions.
     .venv/bin/python benchmarks/engine_throughput.py artifacts/smollm2-135m-instruct.q4_1-f32-cpu
 
 `--sampling` picks greedy, top-p or top-k requests; `--host-sampler` samples with numpy on
-the host instead of the artifact's compiled sampler (for a side-by-side run).
+the host instead of the artifact's compiled sampler (for a side-by-side run). `--baseline`
+names a second artifact (say, one built before a change) that runs interleaved with the first,
+round by round, and gets its own table: the two are compared under the same load.
 
 Prints one table; the ratio column is aggregate throughput over single-request throughput.
 This machine's shared cores make single runs vary by 20% or more, so the concurrency levels
@@ -92,31 +94,36 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    ap.add_argument("--baseline", help="a second artifact, run interleaved with the first")
     ap.add_argument(
         "--host-sampler",
         action="store_true",
         help="sample on the host, not with the compiled sampler",
     )
     args = ap.parse_args()
-    runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+    artifacts = [args.artifact] + ([args.baseline] if args.baseline else [])
+    runs = {(a, c): [] for a in artifacts for c in args.concurrency}
     for _ in range(args.rounds):
         for c in args.concurrency:
-            runs[c].append(
-                run(
-                    args.artifact,
-                    c,
-                    args.max_tokens,
-                    args.prompt_len,
-                    args.sampling,
-                    args.host_sampler,
+            for artifact in artifacts:
+                runs[(artifact, c)].append(
+                    run(
+                        artifact,
+                        c,
+                        args.max_tokens,
+                        args.prompt_len,
+                        args.sampling,
+                        args.host_sampler,
+                    )
                 )
-            )
-    where = (
-        "host"
-        if args.host_sampler or not runs[args.concurrency[0]][0]["device_rows"]
-        else "compiled"
-    )
-    print(f"sampling: {args.sampling}, {where} sampler")
+    for artifact in artifacts:
+        _print_table(artifact, {c: runs[(artifact, c)] for c in args.concurrency}, args)
+
+
+def _print_table(artifact: str, runs: dict[int, list[dict]], args) -> None:
+    first = next(iter(runs.values()))[0]
+    where = "host" if args.host_sampler or not first["device_rows"] else "compiled"
+    print(f"{artifact}\nsampling: {args.sampling}, {where} sampler")
 
     def median(c: int, key: str) -> float:
         return statistics.median(r[key] for r in runs[c])
