@@ -1,10 +1,11 @@
 """Pieces shared by the int8-activation kernels (`cpu_int8_gemv`, `cpu_int8_batched`).
 
-Each activation row is quantized in groups of 32. The codes are llama.cpp's Q8_0 codes
-(`d = max|x| / 127`, `q = round(x / d)` half away from zero); the group's scale is kept
-as an int16 multiple `m` of one step per row, `unit = max_g d / 32767`, so that
+Each activation row is quantized in groups of 32, as llama.cpp's Q8_0 does (`d = max|x| / 127`
+per group, codes rounded half away from zero), except for how a group's scale is kept: as an
+int16 multiple `m` of one step per row, `unit = max_g d / 32767`:
 
-    x[g*32 + j] ~ q[j] * m[g] * unit,     m[g] = round(d[g] / unit) <= 32767.
+    m[g] = ceil(d[g] / unit) <= 32767,   q[j] = round(x[j] / (m[g] * unit)),
+    x[g*32 + j] ~ q[j] * m[g] * unit.
 
 The kernels need that form: `pmaddwd`, which sums the `pmaddubsw` pairs to int32 anyway,
 multiplies them by `m` instead of by ones, so a group costs four vector instructions per
@@ -14,9 +15,13 @@ end. Measured at 16 rows on SmolLM2's shapes (best of 15 interleaved rounds, 2 t
 batched kernel with its quantizing now parallel over rows: q4_1 gate/up (3072 x 576)
 0.466 -> 0.414 ms, q4_1 down (576 x 1536) 0.227 -> 0.174 ms, the q8_0 head (49152 x 576)
 9.0 -> 8.1 ms.
-Against Q8_0's f16 `d` (11 bits), `m` is finer for the groups within 1/16 of the row's
-largest and coarser below it, where its absolute step, `unit / 2`, is far under the large
-groups' own rounding. Buffers:
+
+The codes are rounded against the scale actually kept (`m * unit`, at most `d + unit`, so
+|q| <= 127), not against `d`: then `m`'s rounding only coarsens the step, by at most 1/m.
+Rows with outliers a thousand times their other groups give those groups m ~ 30; codes
+rounded against `d` with `m` rounded to nearest had turned that into an error in the scale
+itself, which cost 0.5% of q4_0's perplexity through decode (`benchmarks/perplexity.py`).
+Buffers:
 
 * `xq[row, k]`: the int8 codes;
 * `xm[row, group * 16 : group * 16 + 16]`: `m`, broadcast to the 16 int16 lanes of
@@ -77,45 +82,45 @@ def round_away(v, count: int):
 def quantize_macro(groups: int, halves: int):
     """A macro quantizing row `r` of `x` ([rows, 1, K]) into xq, xm, xr and xs.
 
-    Two passes over the row's groups: codes and `d` (kept in a per-row scratch buffer, so
-    rows can run in parallel), then the multipliers once the row's largest `d` is known.
+    Two passes over the row's groups: each group's `d` (kept in a per-row scratch buffer, so
+    rows can run in parallel), then, once the row's largest `d` is known, the multipliers and
+    the codes against the scale they give.
     """
 
     @T.macro
     def quantize(x, r, xq, xm, xr, xs):
         d = T.sblock_alloc_buffer((groups,), "float32", scope="local")
-        qsum = T.sblock_alloc_buffer((groups * halves,), "float32", scope="local")
         qs = T.sblock_alloc_buffer((LANES,), "int32", scope="local")
         scale = T.sblock_alloc_buffer((2,), "float32", scope="local")
         scale[1] = T.float32(0)  # the row's largest d
         for g in range(groups):
             v: T.let[T.float32x32] = x.vload([r, T.int64(0), g * LANES], "float32x32")
-            dg: T.let[T.float32] = reduce_lanes(magnitude(v, 32), 32, maximum) / T.float32(127)
-            # a buffer, not a let: keeps the shuffles out of the loop below
-            scale[0] = T.Select(dg == T.float32(0), T.float32(0), T.float32(1) / dg)
-            for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
-                qs[j] = T.Cast("int32", round_away(x[r, 0, g * LANES + j] * scale[0], 1))
-            q: T.let[T.int32x32] = qs.vload([0], "int32x32")
-            xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
-            d[g] = dg
-            scale[1] = T.max(scale[1], dg)
-            if halves == 1:
-                qsum[g] = T.Cast("float32", reduce_lanes(q, 32, add))
-            else:
-                qsum[g * 2] = T.Cast("float32", reduce_lanes(lanes(q, range(16)), 16, add))
-                qsum[g * 2 + 1] = T.Cast("float32", reduce_lanes(lanes(q, range(16, 32)), 16, add))
+            d[g] = reduce_lanes(magnitude(v, 32), 32, maximum) / T.float32(127)
+            scale[1] = T.max(scale[1], d[g])
         unit: T.let[T.float32] = scale[1] / T.float32(M_MAX)
         per_unit: T.let[T.float32] = T.Select(
             scale[1] == T.float32(0), T.float32(0), T.float32(M_MAX) / scale[1]
         )
         xr[r] = unit
         for g in range(groups):
-            m: T.let[T.float32] = T.floor(d[g] * per_unit + T.float32(0.5))
+            m: T.let[T.float32] = T.min(T.ceil(d[g] * per_unit), T.float32(M_MAX))
+            step: T.let[T.float32] = unit * m
+            # a buffer, not a let: keeps the shuffles out of the loop below
+            scale[0] = T.Select(m == T.float32(0), T.float32(0), T.float32(1) / step)
+            for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
+                qs[j] = T.Cast("int32", round_away(x[r, 0, g * LANES + j] * scale[0], 1))
+            q: T.let[T.int32x32] = qs.vload([0], "int32x32")
+            xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
             xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
                 T.Cast("int16", m), MULT_LANES
             )
-            for h in T.unroll(halves):
-                xs[g * halves + h, r] = unit * m * qsum[g * halves + h]
+            if halves == 1:
+                xs[g, r] = step * T.Cast("float32", reduce_lanes(q, 32, add))
+            else:
+                xs[g * 2, r] = step * T.Cast("float32", reduce_lanes(lanes(q, range(16)), 16, add))
+                xs[g * 2 + 1, r] = step * T.Cast(
+                    "float32", reduce_lanes(lanes(q, range(16, 32)), 16, add)
+                )
 
     return quantize
 
