@@ -9,8 +9,8 @@ as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token
 float activations and the tiled schedule.
 
 This changes decode's numerics in the way llama.cpp's do: activations are rounded to int8
-per 32 before the product (Q8_0's codes; the scales as int16 multiples of a step per row, see
-`schedules.cpu_int8_ops`). The manifest records it (`target.details.decode_activations`).
+per 32 before the product (Q8_0's rule, the scales kept as int16 multiples of a step per row:
+see `schedules.cpu_int8_ops`). The manifest records it (`target.details.decode_activations`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Decode matrix-vector kernels for quantized weights: int8 activations, integer dot products.
 
 What llama.cpp does on x86, as TensorIR: the activation row is quantized to int8 in groups
-of 32 (Q8_0's codes, each group's scale an int16 multiple of a step per row: see
-`cpu_int8_ops`), then every 32-weight group of a row costs one `pmaddubsw` (32 unsigned
-weight codes times 32 int8 activations, pairwise summed to 16 int16), one `pmaddwd` (to 8
-int32, times the activations' multiplier), one convert and one FMA with the weight scale
-into 8 float partial sums; the row's step multiplies the total once. The
-formats' offsets (mins, the `-8` of q4_0, ...) multiply the group's activation sum, which
+of 32 (Q8_0's rule, with each group's scale kept as an int16 multiple of a step per row
+and the codes rounded against it: see `cpu_int8_ops`), then every 32-weight group of a row
+costs one `pmaddubsw` (32 unsigned weight codes times 32 int8 activations, pairwise summed to
+16 int16), one `pmaddwd` (to 8 int32, times the activations' multiplier), one convert and one
+FMA with the weight scale into 8 float partial sums; the row's step multiplies the total once.
+The formats' offsets (mins, the `-8` of q4_0, ...) multiply the group's activation sum, which
 the quantize step computes once. See `cpu_int8_codes` for how each format becomes codes.
 
 Compared with the float schedule of `cpu_quant` (decode each weight to float, then an FMA:
@@ -15,8 +15,8 @@ q4_1 gate/up projection went from 0.35 to 0.14 ms.
 
 Numerics: the result is the exact dot product of the dequantized weights with the rounded
 activations, up to float32 summation order; tests compare it with
-`gguf.quants.dequantize(W)` times the activations rounded in numpy (gguf's Q8_0 codes, the
-multipliers as `cpu_int8_ops` defines them). Only decode uses it
+`gguf.quants.dequantize(W)` times the activations rounded by `cpu_int8_ops`'s rule, written
+again in numpy. Only decode uses it
 (one token per sequence); prefill keeps float activations (`cpu_tiled`), as its weights are
 decoded once per tile of tokens and it is not bound by the per-weight decode cost.
 
