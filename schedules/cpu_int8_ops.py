@@ -9,12 +9,12 @@ int16 multiple `m` of one step per row, `unit = max_g d / 32767`:
 
 The kernels need that form: `pmaddwd`, which sums the `pmaddubsw` pairs to int32 anyway,
 multiplies them by `m` instead of by ones, so a group costs four vector instructions per
-row (two integer multiplies, a convert and an FMA with the weight scale), not five (a float
-`d` needs its own multiply by the weight scale). `unit` multiplies the row's sum once at the
-end. Measured at 16 rows on SmolLM2's shapes (best of 15 interleaved rounds, 2 threads), the
-batched kernel with its quantizing now parallel over rows: q4_1 gate/up (3072 x 576)
-0.466 -> 0.414 ms, q4_1 down (576 x 1536) 0.227 -> 0.174 ms, the q8_0 head (49152 x 576)
-9.0 -> 8.1 ms.
+row (two integer multiplies, a convert and an FMA with the weight scale; q8_0's sign trick
+adds one), not five (a float `d` needs its own multiply by the weight scale). `unit`
+multiplies the row's sum once at the end. Measured at 16 rows on SmolLM2's shapes (best of
+15 interleaved rounds, 2 threads), the batched kernel with its quantizing now parallel over
+rows: q4_1 gate/up (3072 x 576) 0.466 -> 0.414 ms, q4_1 down (576 x 1536) 0.227 -> 0.174 ms,
+the q8_0 head (49152 x 576) 9.0 -> 8.1 ms.
 
 The codes are rounded against the scale actually kept (`m * unit`, at most `d + unit`, so
 |q| <= 127), not against `d`: then `m`'s rounding only coarsens the step, by at most 1/m.

@@ -58,6 +58,54 @@ def key(v):
 KEY_NEG_INF = -2139095041  # key(-inf): the lowest key a real token can have
 
 
+# The draw, shared by this kernel and the GPU one (`gpu_sampling`) so that both pick the same
+# token: the tokens are cut into segments (blocks here, one per thread there), and with the
+# scratch state `f`, `k` of both kernels (f[3] the target mass `u * total`, f[4] the mass
+# before the chosen segment, f[5] a segment's mass, k[3] the cut's key):
+
+
+@T.macro
+def take_segment(f, k, s):
+    """Segment `s`, of mass f[5], in token order: k[4] becomes the first segment whose mass
+    carries the running sum past the target, k[5] the last one with any mass."""
+    if f[5] > T.float32(0):
+        k[5] = s
+    if f[4] + f[5] > f[3]:
+        k[4] = s
+    else:
+        f[4] += f[5]
+
+
+@T.macro
+def settle_segment(f, k):
+    """After the segments: when `u * total` rounded up past their sums, the last segment with
+    mass, walked to its end (its last kept token)."""
+    if k[4] < 0:
+        k[4] = k[5]
+        f[3] = T.float32(math.inf)
+
+
+def walk_macro(count: int, position, token_id):
+    """A macro writing the drawn token of segment k[4]: the first kept token whose mass carries
+    f[4] past f[3], else the segment's last kept token. Token `j` of segment `s` sits at
+    `position(s, j)` of the scratch rows and is token `token_id(s, j)`."""
+
+    @T.macro
+    def walk(keys, weights, r, f, k, token):
+        k[6] = T.int64(-1)
+        k[7] = token_id(k[4], 0)
+        for j in T.serial(count):
+            if keys[r, position(k[4], j)] >= T.Cast("int32", k[3]):
+                k[7] = token_id(k[4], j)
+                if k[6] < 0:
+                    f[4] += weights[r, position(k[4], j)]
+                    if f[4] > f[3]:
+                        k[6] = token_id(k[4], j)
+        token[r] = T.Cast("int32", T.Select(k[6] >= 0, k[6], k[7]))
+
+    return walk
+
+
 def sample_kernel(vocab: int, padded: int):
     """PrimFunc(logits [n, padded], controls [n, CONTROLS]) -> token [n] int32, with scratch
     outputs weights [n, W] and keys [n, W] (W = `workspace_width(vocab)`)."""
@@ -68,6 +116,7 @@ def sample_kernel(vocab: int, padded: int):
     per_block = BLOCK // LANES
     f32_min = tirx.const(FLOAT_MIN, "float32")
     f32_neg_inf = tirx.const(-math.inf, "float32")
+    walk = walk_macro(BLOCK, lambda b, j: b * BLOCK + j, lambda b, j: b * BLOCK + j)
 
     def logit(x, r, i):
         """x[r, i] for i < vocab, else the lowest float (a tail lane of the last vector)."""
@@ -218,25 +267,8 @@ def sample_kernel(vocab: int, padded: int):
                                         T.float32(0),
                                     )
                             f[5] = reduce_lanes(facc[T.Ramp(0, 1, LANES)], LANES, add)
-                            if f[5] > T.float32(0):
-                                k[5] = b
-                            if f[4] + f[5] > f[3]:
-                                k[4] = b
-                            else:
-                                f[4] += f[5]
-                    if k[4] < 0:
-                        # u * total rounded up past the block sums: the last token with mass
-                        k[4] = k[5]
-                        f[3] = T.float32(math.inf)
-                    k[6] = T.int64(-1)
-                    k[7] = k[4] * BLOCK
-                    for j in T.serial(BLOCK):
-                        if keys[r, k[4] * BLOCK + j] >= T.Cast("int32", k[3]):
-                            k[7] = k[4] * BLOCK + j
-                            if k[6] < 0:
-                                f[4] += weights[r, k[4] * BLOCK + j]
-                                if f[4] > f[3]:
-                                    k[6] = k[4] * BLOCK + j
-                    token[r] = T.Cast("int32", T.Select(k[6] >= 0, k[6], k[7]))
+                            take_segment(f, k, b)
+                    settle_segment(f, k)
+                    walk(keys, weights, r, f, k, token)
 
     return sample

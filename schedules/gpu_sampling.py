@@ -15,12 +15,21 @@ tokens and writes the result.
 
 from __future__ import annotations
 
-import math
-
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_sampling import CONTROLS, FLOAT_MIN, KEY_NEG_INF, KEY_PAD, STEPS, key, workspace_width
+from .cpu_sampling import (
+    CONTROLS,
+    FLOAT_MIN,
+    KEY_NEG_INF,
+    KEY_PAD,
+    STEPS,
+    key,
+    settle_segment,
+    take_segment,
+    walk_macro,
+    workspace_width,
+)
 from .tir_math import LOG2E
 from .tir_vectors import add, maximum, minimum
 
@@ -32,6 +41,8 @@ def sample_kernel(vocab: int, padded: int):
     """Same signature and outputs as `cpu_sampling.sample_kernel`."""
     width = workspace_width(vocab)
     per_thread = width // THREADS  # strided elements per thread in a pass, and segment length
+    # thread s owns tokens s * per_thread + j, stored interleaved at j * THREADS + s
+    walk = walk_macro(per_thread, lambda s, j: j * THREADS + s, lambda s, j: s * per_thread + j)
     f32_min = tirx.const(FLOAT_MIN, "float32")
 
     def logit(x, r, i):
@@ -163,25 +174,9 @@ def sample_kernel(vocab: int, padded: int):
                     for s in T.serial(THREADS):
                         f[5] = red_f[s]  # a shared load may not sit in a condition
                         if k[4] < 0:
-                            if f[5] > T.float32(0):
-                                k[5] = s
-                            if f[4] + f[5] > f[3]:
-                                k[4] = s
-                            else:
-                                f[4] += f[5]
-                    if k[4] < 0:
-                        k[4] = k[5]
-                        f[3] = T.float32(math.inf)
+                            take_segment(f, k, s)
+                    settle_segment(f, k)
                     if T.Cast("int64", tx) == k[4]:  # the owner walks its segment, writes the token
-                        k[6] = T.int64(-1)
-                        k[7] = tx * per_thread
-                        for j in T.serial(per_thread):
-                            if keys[r, j * THREADS + tx] >= T.Cast("int32", k[3]):
-                                k[7] = tx * per_thread + j
-                                if k[6] < 0:
-                                    f[4] += weights[r, j * THREADS + tx]
-                                    if f[4] > f[3]:
-                                        k[6] = tx * per_thread + j
-                        token[r] = T.Cast("int32", T.if_then_else(k[6] >= 0, k[6], k[7]))
+                        walk(keys, weights, r, f, k, token)
 
     return sample

@@ -23,7 +23,6 @@ from tallow.model_defs.quant_ops import BLOCK, QuantLinear
 from tallow.schedules import cpu_int8_gemv
 
 TARGET = resolve_target("cpu", "f32").tvm()
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 pytestmark = pytest.mark.skipif(not cpu_int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
 
