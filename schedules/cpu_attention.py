@@ -5,7 +5,7 @@ and its paged prefill walks the whole cache capacity for every query row. Measur
 SmolLM2-135M (2 cores): attention was 2.9 s of a 7.2 s prefill of 500 tokens and 19 ms of
 a 62 ms decode step at 500 tokens of context. The kernels here keep the same signatures and
 the same results (output, and the log2-sum-exp `lse` that the cache uses to merge partial
-attentions), and are
+attentions). Decode's kernel is in `cpu_attention_decode`; the prefill kernels here are
 
 * parallel over (query head, query row): head-major, so the two halves of a causal
   triangle land on different threads with equal work;
@@ -25,6 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from .cpu_attention_decode import decode_kernel
 from .tir_math import LOG2E, exp2
 from .tir_vectors import add, reduce_lanes
 
@@ -37,8 +38,8 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
     """The online-softmax loop of one query row over `n` key rows, shared by the kernels.
 
     `heads` query heads (h0, h0 + 1, ...) that share the key/value head `hk` go together:
-    each key and value vector is loaded once for all of them (decode groups a GQA group so;
-    its attention was bound by reading the cache once per query head).
+    each key and value vector is loaded once for all of them. (The prefill kernels pass
+    one; decode, in `cpu_attention_decode`, walks a whole GQA group so.)
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
     `kv` ([pages, 2, h_kv, page_size, d]); ragged: `k[base + j]`, `v[base + j]`.
     State per head: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
@@ -139,57 +140,6 @@ def _state(d: int, heads: int):
         T.sblock_alloc_buffer((heads * TILE,), "float32"),
         T.sblock_alloc_buffer((heads * 4,), "float32"),
     )
-
-
-def _decode(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
-    group = h_q // h_kv
-    attend = _attend(True, d, page_size, dtype, heads=group)
-
-    @T.prim_func(s_tir=True)
-    def decode(
-        Q_handle: T.handle,
-        pages_handle: T.handle,
-        page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle,
-        var_length_info: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        output_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
-        indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=T.int32())
-        values = T.match_buffer(
-            page_table_values_handle, (nnz_pages,), "int32", elem_offset=T.int32()
-        )
-        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
-        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
-        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=T.int32())
-
-        for hb in T.parallel(h_kv * B):
-            with T.sblock("attn"):
-                T.reads()  # declared, not inferred: the regions depend on page tables
-                T.writes()
-                hk: T.let[T.int32] = hb // B
-                b: T.let[T.int32] = hb % B
-                n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
-                n: T.let[T.int32] = T.if_then_else(
-                    n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0
-                )
-                attend(
-                    Q, b, hk * group, sm_scale, n, pages, pages, values, indptr[b], hk, output, lse
-                )
-
-    return decode
 
 
 def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
@@ -325,7 +275,7 @@ def _replacement(name: str, func):
     if name == DECODE:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, _, h_kv, page_size, _), _ = _shape(func, 1)
-        return _decode(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
+        return decode_kernel(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
     if name == PREFILL_RAGGED:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, h_kv, d_v), _ = _shape(func, 3)

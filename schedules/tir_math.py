@@ -28,16 +28,19 @@ def _f32(v: float):
     return tirx.const(v, "float32")
 
 
-def exp2(x):
-    """2**x for float32 `x`, clamped to [2**-126, 2**127]: 2**floor(x) from the exponent
-    bits times the polynomial of the fraction."""
+def exp2(x, lanes: int = 1):
+    """2**x for float32 `x` (a vector of `lanes` lanes when above 1), clamped to
+    [2**-126, 2**127]: 2**floor(x) from the exponent bits times the polynomial of the fraction."""
     x = tirx.min(tirx.max(x, _f32(-126.0)), _f32(127.0))
     whole = tirx.floor(x)
     frac = x - whole
     poly = _f32(EXP2_POLY[-1])
     for c in reversed(EXP2_POLY[:-1]):
         poly = poly * frac + _f32(c)
-    scale = tirx.reinterpret("float32", (tirx.Cast("int32", whole) + 127) << 23)
+    ints = "int32" if lanes == 1 else f"int32x{lanes}"
+    scale = tirx.reinterpret(
+        "float32" if lanes == 1 else f"float32x{lanes}", (tirx.Cast(ints, whole) + 127) << 23
+    )
     return poly * scale
 
 

@@ -13,6 +13,7 @@ import pytest
 import tvm
 
 from tallow.schedules import cpu_attention as ca
+from tallow.schedules.cpu_attention_decode import decode_kernel
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
 SM = D**-0.5
@@ -30,33 +31,38 @@ def _t(a, dtype="int32"):
 
 
 def _attend(q, k, v, visible):
-    """numpy oracle: q [H_Q, D] over the first `visible` rows of k, v [n, H_KV, D]."""
-    g = H_Q // H_KV
-    out, lse = np.zeros((H_Q, D)), np.full(H_Q, -5e4)
+    """numpy oracle: q [h_q, d] over the first `visible` rows of k, v [n, h_kv, d]."""
+    (h_q, d), h_kv = q.shape, k.shape[1]
+    g = h_q // h_kv
+    out, lse = np.zeros((h_q, d)), np.full(h_q, -5e4)
     if visible == 0:
         return out, lse
-    for h in range(H_Q):
-        s = k[:visible, h // g].astype(np.float64) @ q[h] * SM * LOG2E
+    for h in range(h_q):
+        s = k[:visible, h // g].astype(np.float64) @ q[h] * d**-0.5 * LOG2E
         p = np.exp2(s - s.max())
         out[h] = p @ v[:visible, h // g] / p.sum()
         lse[h] = s.max() + np.log2(p.sum())
     return out, lse
 
 
-def _paged(rng, lengths):
-    """A shuffled page pool holding `lengths` tokens per sequence; the rows in order."""
-    counts = [-(-n // PAGE) for n in lengths]
-    pool = rng.standard_normal((sum(counts) + 3, 2, H_KV, PAGE, D)).astype("float32")
+def _paged(rng, lengths, h_kv=H_KV, d=D, page=PAGE):
+    """A shuffled page pool holding `lengths` tokens per sequence; the rows in order.
+    The slots past each sequence's end hold NaN: a kernel that reads them shows it."""
+    counts = [-(-n // page) for n in lengths]
+    pool = rng.standard_normal((sum(counts) + 3, 2, h_kv, page, d)).astype("float32")
     order = rng.permutation(len(pool))
     indptr, values = [0], []
     for c in counts:
         values += list(order[len(values) : len(values) + c])
         indptr.append(len(values))
-    last = [n - (c - 1) * PAGE if c else 0 for n, c in zip(lengths, counts, strict=True)]
+    last = [n - (c - 1) * page if c else 0 for n, c in zip(lengths, counts, strict=True)]
+    for b, c in enumerate(counts):
+        if c:
+            pool[values[indptr[b] + c - 1], :, :, last[b] :] = np.nan
     rows = []
     for b, n in enumerate(lengths):
-        r = [pool[values[indptr[b] + j // PAGE], :, :, j % PAGE] for j in range(n)]
-        empty = np.zeros((0, H_KV, D), "float32")
+        r = [pool[values[indptr[b] + j // page], :, :, j % page] for j in range(n)]
+        empty = np.zeros((0, h_kv, d), "float32")
         rows.append(
             (
                 np.stack([x[0] for x in r]) if r else empty,
@@ -70,16 +76,22 @@ def _build(func, target):
     return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
 
 
-def test_decode_matches_numpy(target):
+@pytest.mark.parametrize(
+    ("h_kv", "h_q", "d", "page"),
+    [(3, 9, 64, 16), (1, 4, 256, 16), (2, 2, 32, 12)],
+    ids=["smollm2", "gemma3-270m", "mha-page12"],
+)
+def test_decode_matches_numpy(target, h_kv, h_q, d, page):
+    """Lengths around tile (8) and page boundaries, an empty sequence, a long one."""
     rng = np.random.default_rng(0)
-    lengths = [1, 16, 17, 70]
-    pool, indptr, values, last, rows = _paged(rng, lengths)
-    q = rng.standard_normal((len(lengths), H_Q, D)).astype("float32")
+    lengths = [1, 8, 16, 17, 0, 23, 70]
+    pool, indptr, values, last, rows = _paged(rng, lengths, h_kv, d, page)
+    q = rng.standard_normal((len(lengths), h_q, d)).astype("float32")
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
     zeros = np.zeros(len(lengths))
-    kernel = _build(ca._decode(H_KV, H_Q, D, "float32", PAGE), target)
+    kernel = _build(decode_kernel(h_kv, h_q, d, "float32", page), target)
     kernel(_t(q, "float32"), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
-           _t(zeros), _t(zeros), out, lse, 0, 1.0, 1e4, SM)  # fmt: skip
+           _t(zeros), _t(zeros), out, lse, 0, 1.0, 1e4, d**-0.5)  # fmt: skip
     for b, n in enumerate(lengths):
         want_out, want_lse = _attend(q[b], *rows[b], n)
         np.testing.assert_allclose(out.numpy()[b], want_out, atol=2e-6)

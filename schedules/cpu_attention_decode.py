@@ -1,0 +1,212 @@
+"""The CPU decode attention kernel for TVM's paged KV cache: one query row per sequence.
+
+Work item: one sequence and one KV head, with the `group` query heads that share it (GQA),
+so each key and value row is read once for all of them. The rows are walked page by page,
+`TILE` rows at a time, never across a page boundary: a tile's rows are then consecutive in
+memory (one page-table read per page, the row addresses a constant stride apart), and only
+a tile that ends early (the sequence's last rows) pays for clamping its row index.
+
+Per tile and query head:
+* 8 dot products, each an 8-lane partial sum over head_dim;
+* `row_sums` turns the 8 partial-sum vectors into one vector of 8 scores with 3 levels of
+  pairwise adds (x86: 6 `vhaddps`, 2 lane swaps, 1 add), where reducing each row alone
+  took 5 shuffles and adds per row;
+* the online softmax on that vector: one max, at most one rescale, one vector exp2;
+* the value rows accumulated into the output, 8 lanes of head_dim at a time.
+
+Independent accumulators matter more than instruction count here: one FMA chain per row
+and head (the previous kernel) waits on the FMA latency, so the scores take `block_rows`
+rows and the value pass `block_chunks` slices of head_dim at a time, about 12 chains each.
+Measured on SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), 16 sequences of 48
+tokens, one thread, interleaved: 60-85 us against 73-117 us for the previous kernel,
+18-27% less.
+Same signature and results as the cache's own kernel, including the log2-sum-exp `lse`
+that the cache uses to merge partial attentions; scores are in the log2 domain as there.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .tir_math import LOG2E, exp2
+from .tir_vectors import add, maximum, reduce_lanes, row_sums
+
+LANES = 8  # f32 lanes of an AVX2 register: the dot products' partial sums
+TILE = 8  # key rows scored together: must equal LANES (their scores form one vector)
+NEG = -5e4  # TVM's kernels start the running max here; masked rows score this
+
+
+def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
+    """The kernel for `h_q` query heads over `h_kv` KV heads of size `d` (a multiple of 8)."""
+    group = h_q // h_kv
+    nd = d // LANES
+    tiles = (page_size + TILE - 1) // TILE  # per page; the last may be short
+    # independent accumulators: about 12 of the 16 vector registers
+    block_rows = max(r for r in (1, 2, 4, 8) if r * group <= 12 or r == 1)
+    block_chunks = max(c for c in (1, 2, 4, 8) if nd % c == 0 and (c * group <= 12 or c == 1))
+
+    def tile_macro(clamped: bool):
+        """One tile's scores, softmax update and value rows. `clamped`: some of its rows lie
+        past the sequence's end (or the page's); they read the last real row and weigh 0."""
+
+        def slot(first, count, r):
+            """The page slot that row `r` of the tile reads."""
+            return first + (T.min(r, count - 1) if clamped else r)
+
+        @T.macro
+        def tile(pages, page, hk, first, count, qv, o_acc, acc, sc, st):
+            # first: the tile's first slot in the page; count: its real rows (1..TILE)
+            # scores: `block_rows` rows by `group` heads of 8-lane partial sums at a time, each its
+            # own FMA chain (one chain per row and head stalled on the FMA latency)
+            for rb in T.serial(TILE // block_rows):
+                for j in T.unroll(block_rows):
+                    for hg in T.unroll(group):
+                        acc[T.Ramp((hg * TILE + rb * block_rows + j) * LANES, 1, LANES)] = (
+                            T.Broadcast(T.float32(0), LANES)
+                        )
+                for c in T.serial(nd):
+                    for j in T.unroll(block_rows):
+                        for hg in T.unroll(group):
+                            for ln in T.vectorized(LANES):
+                                acc[(hg * TILE + rb * block_rows + j) * LANES + ln] += qv[
+                                    hg * d + c * LANES + ln
+                                ] * T.Cast(
+                                    "float32",
+                                    pages[
+                                        page,
+                                        0,
+                                        hk,
+                                        slot(first, count, rb * block_rows + j),
+                                        c * LANES + ln,
+                                    ],
+                                )
+            for hg in T.unroll(group):
+                if clamped:
+                    sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
+                        T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE),
+                        row_sums(acc, hg * TILE * LANES, LANES),
+                        T.Broadcast(T.float32(NEG), TILE),
+                    )
+                else:
+                    sc[T.Ramp(hg * TILE, 1, TILE)] = row_sums(acc, hg * TILE * LANES, LANES)
+                st[hg * 4 + 2] = reduce_lanes(
+                    sc.vload([hg * TILE], f"float32x{TILE}"), TILE, maximum
+                )
+                if st[hg * 4 + 2] > st[hg * 4]:
+                    st[hg * 4 + 3] = T.exp2(st[hg * 4] - st[hg * 4 + 2])
+                    st[hg * 4 + 1] *= st[hg * 4 + 3]
+                    for i in T.vectorized(d):
+                        o_acc[hg * d + i] *= st[hg * 4 + 3]
+                    st[hg * 4] = st[hg * 4 + 2]
+                # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
+                weights = exp2(
+                    sc.vload([hg * TILE], f"float32x{TILE}") - T.Broadcast(st[hg * 4], TILE),
+                    TILE,
+                )
+                if clamped:
+                    sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
+                        T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE),
+                        weights,
+                        T.Broadcast(T.float32(0), TILE),
+                    )
+                else:
+                    sc[T.Ramp(hg * TILE, 1, TILE)] = weights
+                st[hg * 4 + 1] += reduce_lanes(sc.vload([hg * TILE], f"float32x{TILE}"), TILE, add)
+            # the value rows: `block_chunks` 8-lane slices of the output by `group` heads at a time
+            for cb in T.serial(nd // block_chunks):
+                for r in T.serial(TILE):
+                    for i in T.unroll(block_chunks):
+                        for hg in T.unroll(group):
+                            for ln in T.vectorized(LANES):
+                                o_acc[hg * d + (cb * block_chunks + i) * LANES + ln] += sc[
+                                    hg * TILE + r
+                                ] * T.Cast(
+                                    "float32",
+                                    pages[
+                                        page,
+                                        1,
+                                        hk,
+                                        slot(first, count, r),
+                                        (cb * block_chunks + i) * LANES + ln,
+                                    ],
+                                )
+
+        return tile
+
+    full_tile, short_tile = tile_macro(False), tile_macro(True)
+
+    @T.prim_func(s_tir=True)
+    def decode(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=T.int32())
+        values = T.match_buffer(
+            page_table_values_handle, (nnz_pages,), "int32", elem_offset=T.int32()
+        )
+        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=T.int32())
+
+        for hb in T.parallel(h_kv * B):
+            with T.sblock("attn"):
+                T.reads()  # declared, not inferred: the regions depend on page tables
+                T.writes()
+                # per head: output accumulator, scaled query, 4 softmax values (running max,
+                # running sum, the tile's max, the rescale factor); per tile: partial dot
+                # products and scores
+                o_acc = T.sblock_alloc_buffer((group * d,), "float32")
+                qv = T.sblock_alloc_buffer((group * d,), "float32")
+                st = T.sblock_alloc_buffer((group * 4,), "float32")
+                acc = T.sblock_alloc_buffer((group * TILE * LANES,), "float32")
+                sc = T.sblock_alloc_buffer((group * TILE,), "float32")
+                hk: T.let[T.int32] = hb // B
+                b: T.let[T.int32] = hb % B
+                n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
+                for hg in T.unroll(group):
+                    st[hg * 4] = T.float32(NEG)
+                    st[hg * 4 + 1] = T.float32(1.0)
+                    for i in T.vectorized(d):
+                        o_acc[hg * d + i] = T.float32(0)
+                        qv[hg * d + i] = (
+                            T.Cast("float32", Q[b, hk * group + hg, i])
+                            * sm_scale
+                            * T.float32(LOG2E)
+                        )
+                for p in T.serial(n_pages):
+                    page: T.let[T.int32] = values[indptr[b] + p]
+                    filled: T.let[T.int32] = T.if_then_else(
+                        p == n_pages - 1, last_page_len[b], page_size
+                    )
+                    for t in T.serial(tiles):
+                        if t * TILE + TILE <= filled:
+                            full_tile(pages, page, hk, t * TILE, TILE, qv, o_acc, acc, sc, st)
+                        elif t * TILE < filled:
+                            short_tile(
+                                pages, page, hk, t * TILE, filled - t * TILE, qv, o_acc, acc, sc, st
+                            )
+                for hg in T.unroll(group):
+                    for i in T.vectorized(d):
+                        output[b, hk * group + hg, i] = T.Cast(
+                            dtype, o_acc[hg * d + i] / st[hg * 4 + 1]
+                        )
+                    lse[b, hk * group + hg] = st[hg * 4] + T.log2(st[hg * 4 + 1])
+
+    return decode
