@@ -6,8 +6,8 @@ instructions per 32-weight group and sequence; this one gets that to 4, what its
 dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier, a
 convert, an FMA with the weight scale; see `cpu_int8_ops`). SmolLM2's gate/up projection
 (q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
-schedule: 0.83 ms) and to 0.41 ms with the multipliers; `benchmarks/decode_matmul.py` prints
-the comparison.
+schedule: 0.83 ms), to 0.41 ms with the multipliers, and 5-10% lower again with its scratch
+buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
   load and unpack);
@@ -118,8 +118,10 @@ def _tile_macro(qtype: str, groups: int, rows: int):
 
     @T.macro
     def tile(w, n, r0, xq, xm, xr, xs, out, B):
-        acc = T.sblock_alloc_buffer((rows * 8,), "float32", scope="local")
-        off = T.sblock_alloc_buffer((rows,), "float32", scope="local")
+        # stack arrays LLVM keeps in registers (not "local": a workspace allocation per
+        # column chunk; see cpu_int8_ops.quantize_macro)
+        acc = T.sblock_alloc_buffer((rows * 8,), "float32")
+        off = T.sblock_alloc_buffer((rows,), "float32")
         for i in T.unroll(rows):
             acc[T.Ramp(i * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
         off[T.Ramp(0, 1, rows)] = T.Broadcast(T.float32(0), rows)

@@ -106,8 +106,9 @@ def _row_kernel(qtype: str, n_out: int, k: int):
                     T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xm[0, :], xr[0], xs[:, 0])
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
                     n: T.let[T.int32] = nc * N_CHUNK + ni
-                    acc = T.sblock_alloc_buffer((chains * 8,), "float32", scope="local")
-                    off = T.sblock_alloc_buffer((chains,), "float32", scope="local")
+                    # stack arrays, not "local" (see cpu_int8_ops.quantize_macro)
+                    acc = T.sblock_alloc_buffer((chains * 8,), "float32")
+                    off = T.sblock_alloc_buffer((chains,), "float32")
                     for a in T.unroll(chains):
                         acc[T.Ramp(a * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
                         off[a] = T.float32(0)

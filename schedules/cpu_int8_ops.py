@@ -89,9 +89,11 @@ def quantize_macro(groups: int, halves: int):
 
     @T.macro
     def quantize(x, r, xq, xm, xr, xs):
-        d = T.sblock_alloc_buffer((groups,), "float32", scope="local")
-        qs = T.sblock_alloc_buffer((LANES,), "int32", scope="local")
-        scale = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        # plain (global) scope: a small fixed-size buffer becomes a stack array. "local"
+        # scope went through TVM's workspace allocator, a call per row (3-15% of the kernels)
+        d = T.sblock_alloc_buffer((groups,), "float32")
+        qs = T.sblock_alloc_buffer((LANES,), "int32")
+        scale = T.sblock_alloc_buffer((2,), "float32")
         scale[1] = T.float32(0)  # the row's largest d
         for g in range(groups):
             v: T.let[T.float32x32] = x.vload([r, T.int64(0), g * LANES], "float32x32")
