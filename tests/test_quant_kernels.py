@@ -121,11 +121,13 @@ def _check_one_kernel(fused, scheduled):
     ((name, func),) = funcs.items()
     sch = s_tir.Schedule(func)
     sch.get_sblock("dequantize")  # raises if the dequantize block is not inside this kernel
-    # after scheduling, the dequantized values live in a kernel-local tile, not a global W
+    # after scheduling, each tile of W is dequantized inside the matmul's loops, right before
+    # its use (a small buffer after lowering), not all of W into a global buffer first
     sch = s_tir.Schedule(_prim_funcs(scheduled)[name])
     assert "tirx.is_scheduled" in sch.mod["main"].attrs
-    deq = sch.get(sch.get_sblock("dequantize"))
-    assert deq.writes[0].source.scope() == "local"
+    outer = sch.get_loops(sch.get_sblock("dequantize"))[0]
+    names = {sch.get(b).name_hint for b in sch.get_child_blocks(outer)}
+    assert "dequantize" in names and len(names) > 1, names
 
 
 @pytest.mark.parametrize("qtype", TYPES)
