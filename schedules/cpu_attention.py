@@ -25,24 +25,17 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .cpu_attention_decode import decode_kernel
+from .cpu_attention_decode import LANES, NEG, TILE, decode_kernel
 from .tir_math import LOG2E, exp2
 from .tir_vectors import add, reduce_lanes
 
-LANES = 8  # f32 lanes of an AVX2 register: the dot product's partial sums
-TILE = 8  # key rows scored together: one max, one rescale, one vector exp2
-NEG = -5e4  # TVM's kernels start the running max here; masked rows score this
 
+def _attend(paged: bool, d: int, page_size: int, dtype: str):
+    """The online-softmax loop of one query row (head `h`) over `n` key rows, for prefill.
 
-def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
-    """The online-softmax loop of one query row over `n` key rows, shared by the kernels.
-
-    `heads` query heads (h0, h0 + 1, ...) that share the key/value head `hk` go together:
-    each key and value vector is loaded once for all of them. (The prefill kernels pass
-    one; decode, in `cpu_attention_decode`, walks a whole GQA group so.)
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
     `kv` ([pages, 2, h_kv, page_size, d]); ragged: `k[base + j]`, `v[base + j]`.
-    State per head: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
+    State: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
     """
     nd = d // LANES
 
@@ -54,63 +47,54 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int = 1):
         return kv[base + row, hk, col].astype("float32")
 
     @T.macro
-    def attend(q, qi, h0, sm_scale, n, k, v, values, base, hk, output, lse):
-        o_acc, qv, acc, sc, st = _state(d, heads)
-        for hg in T.unroll(heads):
-            st[hg * 4] = T.float32(NEG)
-            st[hg * 4 + 1] = T.float32(1.0)
-            for i in T.vectorized(d):
-                o_acc[hg * d + i] = T.float32(0)
-                qv[hg * d + i] = T.Cast("float32", q[qi, h0 + hg, i]) * sm_scale * T.float32(LOG2E)
+    def attend(q, qi, h, sm_scale, n, k, v, values, base, hk, output, lse):
+        o_acc, qv, acc, sc, st = _state(d)
+        st[0] = T.float32(NEG)
+        st[1] = T.float32(1.0)
+        for i in T.vectorized(d):
+            o_acc[i] = T.float32(0)
+            qv[i] = T.Cast("float32", q[qi, h, i]) * sm_scale * T.float32(LOG2E)
         for t in T.serial((n + TILE - 1) // TILE):
             # the tile's dot products interleaved: independent FMA chains, not one
-            for a in T.unroll(heads * TILE):
+            for a in T.unroll(TILE):
                 for ln in T.vectorized(LANES):
                     acc[a * LANES + ln] = T.float32(0)
             for r in T.serial(TILE):  # unrolled, LLVM hoisted all 64 loads and spilled them
                 for c in T.unroll(nd):
-                    for hg in T.unroll(heads):
-                        for ln in T.vectorized(LANES):
-                            acc[(hg * TILE + r) * LANES + ln] += qv[
-                                hg * d + c * LANES + ln
-                            ] * cached(
-                                k, 0, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
-                            )
-            for hg in T.unroll(heads):
-                for r in T.unroll(TILE):
-                    sc[hg * TILE + r] = T.Select(
-                        t * TILE + r < n,
-                        reduce_lanes(acc[T.Ramp((hg * TILE + r) * LANES, 1, LANES)], LANES, add),
-                        T.float32(NEG),
-                    )
-                st[hg * 4 + 2] = sc[hg * TILE]
-                for r in T.serial(1, TILE):
-                    st[hg * 4 + 2] = T.max(st[hg * 4 + 2], sc[hg * TILE + r])
-                if st[hg * 4 + 2] > st[hg * 4]:
-                    st[hg * 4 + 3] = T.exp2(st[hg * 4] - st[hg * 4 + 2])
-                    st[hg * 4 + 1] *= st[hg * 4 + 3]
-                    for i in T.vectorized(d):
-                        o_acc[hg * d + i] *= st[hg * 4 + 3]
-                    st[hg * 4] = st[hg * 4 + 2]
-                for r in T.vectorized(TILE):
-                    # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
-                    sc[hg * TILE + r] = T.Select(
-                        t * TILE + r < n, exp2(sc[hg * TILE + r] - st[hg * 4]), T.float32(0)
-                    )
-                for r in T.serial(TILE):
-                    st[hg * 4 + 1] += sc[hg * TILE + r]
+                    for ln in T.vectorized(LANES):
+                        acc[r * LANES + ln] += qv[c * LANES + ln] * cached(
+                            k, 0, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                        )
+            for r in T.unroll(TILE):
+                sc[r] = T.Select(
+                    t * TILE + r < n,
+                    reduce_lanes(acc[T.Ramp(r * LANES, 1, LANES)], LANES, add),
+                    T.float32(NEG),
+                )
+            st[2] = sc[0]
+            for r in T.serial(1, TILE):
+                st[2] = T.max(st[2], sc[r])
+            if st[2] > st[0]:
+                st[3] = T.exp2(st[0] - st[2])
+                st[1] *= st[3]
+                for i in T.vectorized(d):
+                    o_acc[i] *= st[3]
+                st[0] = st[2]
+            for r in T.vectorized(TILE):
+                # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
+                sc[r] = T.Select(t * TILE + r < n, exp2(sc[r] - st[0]), T.float32(0))
+            for r in T.serial(TILE):
+                st[1] += sc[r]
             # each 8-lane slice of the output takes the tile's rows while in a register
             for c in T.unroll(nd):
                 for r in T.unroll(TILE):
-                    for hg in T.unroll(heads):
-                        for ln in T.vectorized(LANES):
-                            o_acc[hg * d + c * LANES + ln] += sc[hg * TILE + r] * cached(
-                                v, 1, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
-                            )
-        for hg in T.unroll(heads):
-            for i in T.vectorized(d):
-                output[qi, h0 + hg, i] = T.Cast(dtype, o_acc[hg * d + i] / st[hg * 4 + 1])
-            lse[qi, h0 + hg] = st[hg * 4] + T.log2(st[hg * 4 + 1])
+                    for ln in T.vectorized(LANES):
+                        o_acc[c * LANES + ln] += sc[r] * cached(
+                            v, 1, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                        )
+        for i in T.vectorized(d):
+            output[qi, h, i] = T.Cast(dtype, o_acc[i] / st[1])
+        lse[qi, h] = st[0] + T.log2(st[1])
 
     return attend
 
@@ -130,15 +114,16 @@ PREFILL_RAGGED = "batch_prefill_ragged_kv"
 PREFILL_PAGED = "batch_prefill_paged_kv_cpu"
 
 
-def _state(d: int, heads: int):
-    """Scratch per (query row, head group): output accumulators, scaled queries, the tile's
-    partial dot products, its scores, and 4 softmax state values per head."""
+def _state(d: int):
+    """Scratch per query row: output accumulator, scaled query, the tile's partial dot
+    products, its scores, and 4 softmax state values (running max and sum, tile max,
+    rescale factor)."""
     return (
-        T.sblock_alloc_buffer((heads * d,), "float32"),
-        T.sblock_alloc_buffer((heads * d,), "float32"),
-        T.sblock_alloc_buffer((heads * TILE * LANES,), "float32"),
-        T.sblock_alloc_buffer((heads * TILE,), "float32"),
-        T.sblock_alloc_buffer((heads * 4,), "float32"),
+        T.sblock_alloc_buffer((d,), "float32"),
+        T.sblock_alloc_buffer((d,), "float32"),
+        T.sblock_alloc_buffer((TILE * LANES,), "float32"),
+        T.sblock_alloc_buffer((TILE,), "float32"),
+        T.sblock_alloc_buffer((4,), "float32"),
     )
 
 

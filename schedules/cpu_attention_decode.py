@@ -81,14 +81,8 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                                     ],
                                 )
             for hg in T.unroll(group):
-                if clamped:
-                    sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
-                        T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE),
-                        row_sums(acc, hg * TILE * LANES, LANES),
-                        T.Broadcast(T.float32(NEG), TILE),
-                    )
-                else:
-                    sc[T.Ramp(hg * TILE, 1, TILE)] = row_sums(acc, hg * TILE * LANES, LANES)
+                # a clamped row repeats the last real row's score: the max stays right
+                sc[T.Ramp(hg * TILE, 1, TILE)] = row_sums(acc, hg * TILE * LANES)
                 st[hg * 4 + 2] = reduce_lanes(
                     sc.vload([hg * TILE], f"float32x{TILE}"), TILE, maximum
                 )
@@ -98,12 +92,11 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                     for i in T.vectorized(d):
                         o_acc[hg * d + i] *= st[hg * 4 + 3]
                     st[hg * 4] = st[hg * 4 + 2]
-                # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
                 weights = exp2(
                     sc.vload([hg * TILE], f"float32x{TILE}") - T.Broadcast(st[hg * 4], TILE),
                     TILE,
                 )
-                if clamped:
+                if clamped:  # the repeated rows weigh 0
                     sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
                         T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE),
                         weights,

@@ -41,11 +41,9 @@ def _pair_sums(a, b):
     return even + odd
 
 
-def row_sums(buf, base, width: int):
+def row_sums(buf, base):
     """One vector of 8 lanes: lane i is the sum of the 8 float32 lanes at
     buf[base + 8 * i : base + 8 * (i + 1)], for i in 0..7 (a transpose and add of 8 vectors)."""
-    if width != 8:
-        raise ValueError(f"row_sums handles 8 vectors of 8 lanes, not {width}")
     rows = [buf.vload([base + 8 * i], "float32x8") for i in range(8)]
     # [r0 (0-3), r1 (0-3), r2 (0-3), r3 (0-3), r0 (4-7), r1 (4-7), ...] and the same for r4-r7
     low = _pair_sums(_pair_sums(rows[0], rows[1]), _pair_sums(rows[2], rows[3]))
