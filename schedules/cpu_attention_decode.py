@@ -29,7 +29,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .tir_math import LOG2E, exp2
-from .tir_vectors import add, maximum, reduce_lanes, row_sums
+from .tir_vectors import add, maximum, prefetch, reduce_lanes, row_sums
 
 LANES = 8  # f32 lanes of an AVX2 register: the dot products' partial sums
 TILE = 8  # key rows scored together: must equal LANES (their scores form one vector)
@@ -41,6 +41,8 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
     group = h_q // h_kv
     nd = d // LANES
     tiles = (page_size + TILE - 1) // TILE  # per page; the last may be short
+    per_line = 64 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # elements per line
+    page_lines = (page_size * d + per_line - 1) // per_line  # cache lines per head and page
     # independent accumulators: about 12 of the 16 vector registers
     block_rows = max(r for r in (1, 2, 4, 8) if r * group <= 12 or r == 1)
     block_chunks = max(c for c in (1, 2, 4, 8) if nd % c == 0 and (c * group <= 12 or c == 1))
@@ -185,6 +187,23 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                         )
                 for p in T.serial(n_pages):
                     page: T.let[T.int32] = values[indptr[b] + p]
+                    if p + 1 < n_pages:
+                        # the next page's blocks: pages sit anywhere, so the hardware
+                        # prefetchers (which follow addresses) cannot know it
+                        for kv, line in T.grid(2, page_lines):
+                            T.evaluate(
+                                prefetch(
+                                    T.address_of(
+                                        pages[
+                                            values[indptr[b] + p + 1],
+                                            kv,
+                                            hk,
+                                            line * per_line // d,
+                                            line * per_line % d,
+                                        ]
+                                    )
+                                )
+                            )
                     filled: T.let[T.int32] = T.if_then_else(
                         p == n_pages - 1, last_page_len[b], page_size
                     )

@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import row_bytes
 
+from . import cpu_int8_columns as columns
 from .cpu_int8_codes import LANES, SIGNED, group
 from .cpu_int8_ops import (
     MULT_LANES,
@@ -62,6 +63,39 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
     quantize = quantize_macro(groups, halves)
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
+    use_columns = qtype in columns.MIN_ROWS
+    min_columns = columns.MIN_ROWS.get(qtype, 0)
+    column_tile = columns.tile_macro(qtype, groups)
+
+    @T.macro
+    def row_tiles(w, xq, xm, xr, xs, out):
+        for nc in T.parallel(n_out // N_CHUNK):
+            for rt in range(full):
+                for ni in range(N_CHUNK):
+                    with T.sblock("dot"):
+                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
+                        T.writes(out[:, 0, nc * N_CHUNK + ni])
+                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B)
+            for rt in range(tail):
+                for ni in range(N_CHUNK):
+                    with T.sblock("dot_tail"):
+                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
+                        T.writes(out[:, 0, nc * N_CHUNK + ni])
+                        r0: T.let[T.int64] = full * TILE_ROWS + rt * TAIL_ROWS
+                        tail_tile(w, nc * N_CHUNK + ni, r0, xq, xm, xr, xs, out, B)
+
+    @T.macro
+    def column_tiles(w, xq, xm, xr, xs, out):
+        cols = columns.COLS
+        for nb in T.parallel(n_out // cols):
+            for rt in range((B + columns.ROWS - 1) // columns.ROWS):
+                with T.sblock("dot_columns"):
+                    T.reads(
+                        w[nb * cols : nb * cols + cols, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :]
+                    )
+                    T.writes(out[:, 0, nb * cols : nb * cols + cols])
+                    r0: T.let[T.int64] = rt * columns.ROWS
+                    column_tile(w, nb * cols, r0, T.min(B - r0, columns.ROWS), xq, xm, xr, xs, out)
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
@@ -93,20 +127,13 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
                 xr[B + r] = T.float32(0)
                 for h in T.unroll(halves):
                     xs[g * halves + h, B + r] = T.float32(0)
-        for nc in T.parallel(n_out // N_CHUNK):
-            for rt in range(full):
-                for ni in range(N_CHUNK):
-                    with T.sblock("dot"):
-                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
-                        T.writes(out[:, 0, nc * N_CHUNK + ni])
-                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B)
-            for rt in range(tail):
-                for ni in range(N_CHUNK):
-                    with T.sblock("dot_tail"):
-                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
-                        T.writes(out[:, 0, nc * N_CHUNK + ni])
-                        r0: T.let[T.int64] = full * TILE_ROWS + rt * TAIL_ROWS
-                        tail_tile(w, nc * N_CHUNK + ni, r0, xq, xm, xr, xs, out, B)
+        if use_columns:
+            if min_columns <= B:
+                column_tiles(w, xq, xm, xr, xs, out)
+            else:
+                row_tiles(w, xq, xm, xr, xs, out)
+        else:
+            row_tiles(w, xq, xm, xr, xs, out)
 
     return gemm
 

@@ -51,3 +51,16 @@ def row_sums(buf, base):
     halves = [tirx.const(i, "int32") for i in (0, 1, 2, 3, 8, 9, 10, 11)]
     other = [tirx.const(i, "int32") for i in (4, 5, 6, 7, 12, 13, 14, 15)]
     return tirx.Shuffle([low, high], halves) + tirx.Shuffle([low, high], other)
+
+
+def prefetch(address):
+    """Ask the CPU to bring the cache line at `address` (a `tirx.address_of`) into all cache
+    levels, for memory the hardware prefetchers would not predict. Never faults."""
+    return tirx.call_llvm_intrin(
+        "void",
+        "llvm.prefetch.p0",
+        address,
+        tirx.const(0, "int32"),  # a read
+        tirx.const(3, "int32"),  # keep in every level
+        tirx.const(1, "int32"),  # data, not instructions
+    )

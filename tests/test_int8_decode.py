@@ -134,9 +134,34 @@ def test_batched_matches_numpy(qtype):
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
-    for batch in (1, 4, 5, 8, 13):
+    for batch in (1, 4, 5, 8, 13, 19):
         x = _activations(batch, k, seed=2 + batch)
         _check(kernel(x, blocks, n), x, deq)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK))
+def test_batched_at_extreme_codes(qtype):
+    """Weight groups at their largest codes against full-scale activations of the same
+    signs: the sums reach the int16 and int32 bounds the kernels add within (every group's
+    multiplier is the largest, 32767). An overflow would show as a huge error. Both the row
+    tiles (5 sequences) and, where the format has them, the column tiles (16)."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 16
+    rng = np.random.default_rng(11)
+    signs = rng.choice([-1.0, 1.0], size=(4, k))
+    patterns = [np.ones(k), -np.ones(k), signs[0], signs[1]]
+    w = np.stack([patterns[i % 4] for i in range(n)]).astype(np.float32)
+    w[4:8, ::32] = 0.0  # offset formats: one low weight per group puts the rest at the top
+    w[12:, 5::32] = 0.0
+    blocks = quantize(w, qtype)
+    deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
+    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
+    for batch in (5, 16):
+        x = np.stack([patterns[i % 4] * (1 - 2 * (i // 4 % 2)) for i in range(batch)])
+        x = x.astype(np.float32).reshape(batch, 1, k) * 3
+        ref, bound = _oracle(x, deq.astype(np.float64))
+        got = kernel(x, blocks, n)
+        assert (np.abs(got - ref) <= 1e-5 * bound + 1e-6).all(), f"batch {batch}"
 
 
 def test_batched_static_size():

@@ -1,0 +1,219 @@
+"""Batched decode, column-vectorized: one vector holds 8 output columns of one sequence.
+
+`cpu_int8_batched`'s tiles keep a group's products in the lanes of one sequence's vector,
+so every group of every (sequence, column) pair ends in a `pmaddwd`, a convert and an FMA
+to fold those lanes and apply the group's scale: four vector instructions per 32 weights,
+at AVX2's limit. Here the 8 lanes are 8 output columns instead:
+
+* a group's codes for 8 columns are transposed once per tile of up to 16 sequences (24
+  shuffles), so that vector `s` holds weights `4s..4s+3` of each of the 8 columns;
+* per sequence, the 4 activations `4s..4s+3` are broadcast to all lanes and one
+  `pmaddubsw` multiplies them with the 8 columns' codes at once; its int16 pair sums are
+  added up across steps in int16 (no overflow: see `flush_steps`), and one `pmaddwd`
+  (times the activations' group multiplier), one convert and one FMA with the 8 columns'
+  scales finish the group for all 8 columns.
+
+For 4-bit codes that is about 19 vector instructions per sequence, group and 8 columns, where
+the row tiles spend 32: SmolLM2's q4_1 gate/up projection (3072 x 576) for 16 sequences went
+from 0.61 to 0.45 ms on one thread. The transpose costs a fixed amount per tile, so small
+batches keep the row tiles (`MIN_ROWS`). The activations are quantized as `cpu_int8_ops`
+documents; the numbers are those of the other kernels, up to float summation order.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tallow.model_defs.quant_ops import BLOCK
+
+from .cpu_int8_codes import LANES, group
+from .cpu_int8_ops import M_MAX, MULT_LANES, offset_halves
+from .tir_vectors import prefetch
+
+COLS = 8  # output columns per vector (int32 / float32 lanes)
+STEPS = LANES // 4  # 4-weight steps per group
+ROWS = 16  # sequences per tile: the transposed codes are reused this many times
+INT16_MAX = 32767
+# The largest (unsigned) code of each format with column tiles.
+MAX_CODE = {
+    "q4_0": 15,
+    "q4_1": 15,
+    "q2k": 3,
+    "q3k": 7,
+    "q4k": 15,
+    "q5k": 31,
+    "q6k": 63,
+}
+
+
+# Formats that gain, and the batch from which they do (one thread, 8 and 16 sequences, the
+# row tiles against these; q4_1 3072 x 576, the others 1024 x 2048): q4_0, q4_1, q4k, q2k
+# and q3k gain at 8 sequences (1.1-1.5x) and 16 (1.35-1.8x); q5k and q6k lose 2-10% at 8
+# and gain 1.3-1.45x at 12. q5_0 and q5_1 (their fifth bits cost a shuffle per column) and
+# q8_0 (its sign trick costs an instruction per step) do not gain, and keep the row tiles.
+MIN_ROWS = {"q4_0": 8, "q4_1": 8, "q4k": 8, "q2k": 8, "q3k": 8, "q5k": 12, "q6k": 12}
+
+
+def flush_steps(qtype: str) -> int:
+    """Steps whose int16 pair sums can be added before `pmaddwd` widens them to int32.
+
+    One step's lane is two products, code * activation, with |activation| <= 127.
+    """
+    steps = INT16_MAX // (2 * 127 * MAX_CODE[qtype])
+    return max(s for s in (1, 2, 4, 8) if s <= steps)
+
+
+def multiplier_in_int32(qtype: str) -> bool:
+    """Whether a whole scale block's dot product times the activations' group multiplier
+    (up to `M_MAX`) fits in int32, so `pmaddwd` can apply the multiplier.
+
+    True for the 4-bit formats and q2k/q3k. The others (q5k, q6k) sum in int32 without
+    it (`pmaddwd` by ones) and multiply it in float.
+    """
+    weights = LANES // offset_halves(qtype)
+    return M_MAX * weights * MAX_CODE[qtype] * 127 < 2**31
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def _shuffle(a, b, idx):
+    return tirx.Shuffle([a, b], [_c(i) for i in idx])
+
+
+def transpose(vecs):
+    """8 int32x8 vectors in, 8 out, with out[s][c] = vecs[c][s].
+
+    Three rounds of two-input shuffles that x86 has as single instructions: 32-bit and
+    64-bit unpacks within 128-bit halves, then 128-bit permutes (24 in all).
+    """
+    lo32, hi32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+    lo64, hi64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+    pairs = []  # pairs[2j]: steps 0,1 | 4,5 of columns 2j, 2j+1; pairs[2j+1]: 2,3 | 6,7
+    for c in range(0, 8, 2):
+        pairs += [_shuffle(vecs[c], vecs[c + 1], lo32), _shuffle(vecs[c], vecs[c + 1], hi32)]
+    quads = []  # quads[4h + s]: step s (low half) and s + 4 (high half) of columns 4h..4h+3
+    for h in (0, 4):
+        for first, second in ((pairs[h], pairs[h + 2]), (pairs[h + 1], pairs[h + 3])):
+            quads += [_shuffle(first, second, lo64), _shuffle(first, second, hi64)]
+    low, high = (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)
+    out = [None] * STEPS
+    for s in range(4):
+        out[s] = _shuffle(quads[s], quads[4 + s], low)
+        out[s + 4] = _shuffle(quads[s], quads[4 + s], high)
+    return out
+
+
+def _pmaddubsw(codes, x):
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", codes, x)
+
+
+def _pmaddwd(pairs, m):
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, m)
+
+
+def tile_macro(qtype: str, groups: int):
+    """A macro: columns `n0..n0+7` for `rows` (<= ROWS) sequences from `r0`, the whole K.
+
+    Arguments as `cpu_int8_batched`'s tiles: the weight buffer and the quantized activations
+    (xq, xm, xr, xs), then `out`.
+    """
+    halves = offset_halves(qtype)
+    half_steps = STEPS // 2 if halves == 2 else STEPS  # steps under one scale
+    flush = min(flush_steps(qtype), half_steps)
+    in_int32 = multiplier_in_int32(qtype)
+
+    block_weights, block_bytes = BLOCK[qtype]
+
+    def prefetch_group(w, n, g):
+        """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
+        byte = g * LANES * block_bytes // block_weights
+        return prefetch(tirx.address_of(w[tirx.min(n, w.shape[0] - 1), byte]))
+
+    def codes32(w, n, g):
+        return tirx.reinterpret("int32x8", group(w, qtype, n, g).codes)
+
+    def broadcast(xq, row, g, s):
+        """Activations 4s..4s+3 of the group, in every 32-bit lane."""
+        word = tirx.reinterpret("int32", xq.vload([row, g * LANES + s * 4], "int8x4"))
+        return tirx.reinterpret("int8x32", tirx.Broadcast(word, COLS))
+
+    def product(ct, s, x):
+        """16 int16: per column, the two pair sums of step `s`."""
+        return _pmaddubsw(tirx.reinterpret("uint8x32", ct.vload([s * COLS], "int32x8")), x)
+
+    def half_sum(ct, xq, m, row, g, h):
+        """int32 per column: the products of the steps under scale `h`, times `m`."""
+        total = None
+        for first in range(h * half_steps, (h + 1) * half_steps, flush):
+            pairs = None
+            for s in range(first, first + flush):
+                p = product(ct, s, broadcast(xq, row, g, s))
+                pairs = p if pairs is None else pairs + p
+            part = _pmaddwd(pairs, m)
+            total = part if total is None else total + part
+        return total
+
+    def update(ct, sc, xq, xm, xs, row, g):
+        """Per column: this group's products, and its offsets times the activation sums."""
+        if in_int32:
+            m = xm.vload([row, g * MULT_LANES], "int16x16")
+            m_float = tirx.Broadcast(tirx.const(1.0, "float32"), COLS)
+        else:
+            m = tirx.Broadcast(tirx.const(1, "int16"), MULT_LANES)
+            m_float = tirx.Broadcast(tirx.Cast("float32", xm[row, g * MULT_LANES]), COLS)
+        dots = None
+        offs = None
+        for h in range(halves):
+            scaled = tirx.Cast("float32x8", half_sum(ct, xq, m, row, g, h)) * sc.vload(
+                [h * COLS], "float32x8"
+            )
+            shift = sc.vload([(2 + h) * COLS], "float32x8") * tirx.Broadcast(
+                xs[g * halves + h, row], COLS
+            )
+            dots = scaled if dots is None else dots + scaled
+            offs = shift if offs is None else offs + shift
+        return dots if in_int32 else dots * m_float, offs
+
+    @T.macro
+    def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
+        # stack arrays (not "local", see cpu_int8_ops.quantize_macro)
+        acc = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
+        off = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
+        ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
+        sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
+        for i in T.unroll(ROWS):
+            acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+            off[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        for g in range(groups):
+            # the next tile's weights (8 rows far apart: the hardware prefetchers do not
+            # follow them, and the kernel waited on memory)
+            for c in T.unroll(COLS):
+                T.evaluate(prefetch_group(w, n0 + COLS + c, g))
+            tr = T.meta_var(transpose([codes32(w, n0 + c, g) for c in range(COLS)]))
+            ct[T.Ramp(0, 1, 8)] = tr[0]
+            ct[T.Ramp(8, 1, 8)] = tr[1]
+            ct[T.Ramp(16, 1, 8)] = tr[2]
+            ct[T.Ramp(24, 1, 8)] = tr[3]
+            ct[T.Ramp(32, 1, 8)] = tr[4]
+            ct[T.Ramp(40, 1, 8)] = tr[5]
+            ct[T.Ramp(48, 1, 8)] = tr[6]
+            ct[T.Ramp(56, 1, 8)] = tr[7]
+            for c in T.unroll(COLS):
+                sc[c] = group(w, qtype, n0 + c, g).scale_lo
+                sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
+                sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
+                sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
+            for r in range(rows):
+                upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
+                acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd[0]
+                off[T.Ramp(r * COLS, 1, COLS)] = off[T.Ramp(r * COLS, 1, COLS)] + upd[1]
+        for r in range(rows):
+            out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = (
+                T.Broadcast(xr[r0 + r], COLS) * acc[T.Ramp(r * COLS, 1, COLS)]
+                + off[T.Ramp(r * COLS, 1, COLS)]
+            )
+
+    return tile
