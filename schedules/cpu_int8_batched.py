@@ -65,7 +65,7 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
     use_columns = qtype in columns.MIN_ROWS
     min_columns = columns.MIN_ROWS.get(qtype, 0)
-    column_tile = columns.tile_macro(qtype, groups)
+    column_tile = columns.tile_macro(qtype, groups) if use_columns else None
 
     @T.macro
     def row_tiles(w, xq, xm, xr, xs, out):
