@@ -43,6 +43,16 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
     tiles = (page_size + TILE - 1) // TILE  # per page; the last may be short
     per_line = 64 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # elements per line
     page_lines = (page_size * d + per_line - 1) // per_line  # cache lines per head and page
+
+    @T.macro
+    def fetch_page(pages, page, hk, wanted):
+        if wanted:
+            for kv, line in T.grid(2, page_lines):
+                address = T.meta_var(
+                    T.address_of(pages[page, kv, hk, line * per_line // d, line * per_line % d])
+                )
+                T.evaluate(prefetch(address))
+
     # independent accumulators: about 12 of the 16 vector registers
     block_rows = max(r for r in (1, 2, 4, 8) if r * group <= 12 or r == 1)
     block_chunks = max(c for c in (1, 2, 4, 8) if nd % c == 0 and (c * group <= 12 or c == 1))
@@ -185,25 +195,19 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                             * sm_scale
                             * T.float32(LOG2E)
                         )
+                # The next page's blocks are prefetched while this one is read: pages sit
+                # anywhere, so the hardware prefetchers (which follow addresses) cannot know
+                # them. Before the first page: the first page of this thread's next task.
+                if hb + 1 < h_kv * B:
+                    fetch_page(
+                        pages,
+                        values[indptr[(hb + 1) % B]],
+                        (hb + 1) // B,
+                        indptr[(hb + 1) % B + 1] > indptr[(hb + 1) % B],
+                    )
                 for p in T.serial(n_pages):
                     page: T.let[T.int32] = values[indptr[b] + p]
-                    if p + 1 < n_pages:
-                        # the next page's blocks: pages sit anywhere, so the hardware
-                        # prefetchers (which follow addresses) cannot know it
-                        for kv, line in T.grid(2, page_lines):
-                            T.evaluate(
-                                prefetch(
-                                    T.address_of(
-                                        pages[
-                                            values[indptr[b] + p + 1],
-                                            kv,
-                                            hk,
-                                            line * per_line // d,
-                                            line * per_line % d,
-                                        ]
-                                    )
-                                )
-                            )
+                    fetch_page(pages, values[indptr[b] + p + 1], hk, p + 1 < n_pages)
                     filled: T.let[T.int32] = T.if_then_else(
                         p == n_pages - 1, last_page_len[b], page_size
                     )

@@ -106,6 +106,51 @@ def transpose(vecs):
     return out
 
 
+# The legacy 4-bit formats keep a group's codes as 16 bytes after the f16 scale (and min):
+# byte i holds weight i (low nibble) and weight i + 16 (high nibble). Where they start:
+NIBBLE_CODES = {"q4_0": 2, "q4_1": 4}
+
+
+def nibble_steps(w, n0, g, block_bytes: int, start: int):
+    """The 8 step vectors of `transpose` for a legacy 4-bit format, straight from the bytes.
+
+    Columns c and c + 4 share a 256-bit vector, and a 4x4 transpose of 32-bit words within
+    each half gives word j (weights 4j..4j+3 in the low nibbles, 16+4j.. in the high) of all
+    8 columns: step j is its low nibbles, step 4 + j its high ones. 24 instructions where
+    decoding each column and transposing takes 56.
+    """
+
+    def raw(c):
+        return w.vload([n0 + c, g * block_bytes + start], "uint8x16")
+
+    pairs = [
+        tirx.reinterpret("int32x8", tirx.Shuffle([raw(c), raw(c + 4)], [_c(i) for i in range(32)]))
+        for c in range(4)
+    ]
+    lo32, hi32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+    lo64, hi64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+    words = []
+    for half in (lo32, hi32):
+        a, b = _shuffle(pairs[0], pairs[1], half), _shuffle(pairs[2], pairs[3], half)
+        words += [_shuffle(a, b, lo64), _shuffle(a, b, hi64)]
+    mask = tirx.Broadcast(tirx.const(0x0F0F0F0F, "int32"), COLS)
+    shift = tirx.Broadcast(tirx.const(4, "int32"), COLS)
+    return [v & mask for v in words] + [(v >> shift) & mask for v in words]
+
+
+def nibble_scales(w, n0, g, block_bytes: int, qtype: str):
+    """(scales, offsets) of 8 columns' group `g`, float32x8, from one word per column."""
+    words = [
+        tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes], "uint8x4"))
+        for c in range(COLS)
+    ]
+    halves = tirx.reinterpret("float16x16", tirx.Shuffle(words, [_c(i) for i in range(COLS)]))
+    d = tirx.Cast("float32x8", tirx.Shuffle([halves], [_c(2 * i) for i in range(COLS)]))
+    if qtype == "q4_1":  # d, then the min
+        return d, tirx.Cast("float32x8", tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(8)]))
+    return d, d * tirx.Broadcast(tirx.const(-8.0, "float32"), COLS)  # q4_0: d * (code - 8)
+
+
 def _pmaddubsw(codes, x):
     return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", codes, x)
 
@@ -126,6 +171,7 @@ def tile_macro(qtype: str, groups: int):
     in_int32 = multiplier_in_int32(qtype)
 
     block_weights, block_bytes = BLOCK[qtype]
+    nibbles = qtype in NIBBLE_CODES
 
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
@@ -192,7 +238,11 @@ def tile_macro(qtype: str, groups: int):
             # follow them, and the kernel waited on memory)
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
-            tr = T.meta_var(transpose([codes32(w, n0 + c, g) for c in range(COLS)]))
+            tr = T.meta_var(
+                nibble_steps(w, n0, g, block_bytes, NIBBLE_CODES[qtype])
+                if nibbles
+                else transpose([codes32(w, n0 + c, g) for c in range(COLS)])
+            )
             ct[T.Ramp(0, 1, 8)] = tr[0]
             ct[T.Ramp(8, 1, 8)] = tr[1]
             ct[T.Ramp(16, 1, 8)] = tr[2]
@@ -201,11 +251,16 @@ def tile_macro(qtype: str, groups: int):
             ct[T.Ramp(40, 1, 8)] = tr[5]
             ct[T.Ramp(48, 1, 8)] = tr[6]
             ct[T.Ramp(56, 1, 8)] = tr[7]
-            for c in T.unroll(COLS):
-                sc[c] = group(w, qtype, n0 + c, g).scale_lo
-                sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
-                sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
-                sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
+            if nibbles:
+                sv = T.meta_var(nibble_scales(w, n0, g, block_bytes, qtype))
+                sc[T.Ramp(0, 1, COLS)] = sv[0]
+                sc[T.Ramp(2 * COLS, 1, COLS)] = sv[1]
+            else:
+                for c in T.unroll(COLS):
+                    sc[c] = group(w, qtype, n0 + c, g).scale_lo
+                    sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
+                    sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
+                    sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
                 acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd[0]
