@@ -5,8 +5,12 @@
 For one weight shape and format (random weights, quantized with `tallow.compiler.quant`),
 prints the best time of each kernel at several batch sizes: `int8` is what `batch_decode`
 runs on AVX2 CPUs (`schedules/cpu_int8_gemv.py` for one row, `cpu_int8_batched.py` for
-more: one compiled kernel with a symbolic batch), `float tiled` the prefill schedule of
-`cpu_tiled.py` on the same rows, and `int8 row` the static one-row kernel of `decode`.
+more: one compiled kernel with a symbolic batch, which from 8 or 12 sequences on takes the
+column tiles of `cpu_int8_columns.py` for the formats that have them), `int8 row tiles` the
+same kernel with the column tiles off, `float tiled` the prefill schedule of `cpu_tiled.py`
+on the same rows, and `int8 row` the static one-row kernel of `decode`. `--cold` cycles
+through enough copies of the weights (64 MB) that every call reads them from memory, as a
+model's decode step does; without it they stay in cache.
 The error column is the int8 result's largest difference from the float one, relative to
 the largest output (the activations' int8 rounding, about 1e-2 at most).
 """
@@ -39,19 +43,20 @@ def _build(func, target):
         return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
 
 
-def _best_ms(lib, x: np.ndarray, blocks: np.ndarray, out_shape: tuple, repeat: int) -> tuple:
+def _best_ms(lib, x: np.ndarray, weights: list, out_shape: tuple, repeat: int) -> tuple:
+    """Best time per call over 5 rounds of `repeat` passes over `weights` (tensors)."""
     out = tvm.runtime.empty(out_shape, "float32")
-    rows = x.reshape(out_shape[:-1] + x.shape[-1:])
-    args = (tvm.runtime.tensor(rows), tvm.runtime.tensor(blocks))
+    rows = tvm.runtime.tensor(x.reshape(out_shape[:-1] + x.shape[-1:]))
     f = lib["main"]
     for _ in range(3):
-        f(*args, out)
+        f(rows, weights[0], out)
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
         for _ in range(repeat):
-            f(*args, out)
-        best = min(best, (time.perf_counter() - t) / repeat)
+            for w in weights:
+                f(rows, w, out)
+        best = min(best, (time.perf_counter() - t) / (repeat * len(weights)))
     return best * 1e3, out.numpy().reshape(x.shape[0], -1)
 
 
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=576, help="input features")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--cold", action="store_true", help="weights read from memory each call")
     args = ap.parse_args()
     target = resolve_target("cpu", "f32").tvm()
     if not cpu_int8_gemv.supported(target):
@@ -73,20 +79,31 @@ def main() -> None:
     (func,) = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     tiled = _build(cpu_quant.schedule_func(func, target), target)
     batched = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None), target)
+    row_tiles = _build(
+        cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, column_tiles=False), target
+    )
     row = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, 1), target)
-    print(f"{args.qtype} weight [{args.n}, {args.k}], best of 5 x {args.repeat} calls, ms")
+    copies = max(1, int(64e6 // blocks.nbytes)) if args.cold else 1
+    weights = [tvm.runtime.tensor(blocks) for _ in range(copies)]
+    repeat = max(1, args.repeat // copies)
     print(
-        f"{'batch':>5} {'float tiled':>12} {'int8':>8} {'speedup':>8} {'int8 row':>9} {'error':>8}"
+        f"{args.qtype} weight [{args.n}, {args.k}], best of 5 x {repeat * copies} calls, ms"
+        + (f" (cold: {copies} copies)" if args.cold else "")
+    )
+    print(
+        f"{'batch':>5} {'float tiled':>12} {'int8 row tiles':>15} {'int8':>8} {'speedup':>8} "
+        f"{'int8 row':>9} {'error':>8}"
     )
     for b in args.batch:
         x = rng.standard_normal((b, 1, args.k)).astype(np.float32)
-        t_float, ref = _best_ms(tiled, x, blocks, (1, b, args.n), args.repeat)
-        t_int8, got = _best_ms(batched, x, blocks, (b, 1, args.n), args.repeat)
-        t_row = f"{_best_ms(row, x, blocks, (1, 1, args.n), args.repeat)[0]:9.3f}" if b == 1 else ""
+        t_float, ref = _best_ms(tiled, x, weights, (1, b, args.n), repeat)
+        t_tiles, _ = _best_ms(row_tiles, x, weights, (b, 1, args.n), repeat)
+        t_int8, got = _best_ms(batched, x, weights, (b, 1, args.n), repeat)
+        t_row = f"{_best_ms(row, x, weights, (1, 1, args.n), repeat)[0]:9.3f}" if b == 1 else ""
         err = np.abs(got - ref).max() / np.abs(ref).max()
         print(
-            f"{b:>5} {t_float:>12.3f} {t_int8:>8.3f} {t_float / t_int8:>7.2f}x {t_row:>9} "
-            f"{err:>8.1e}"
+            f"{b:>5} {t_float:>12.3f} {t_tiles:>15.3f} {t_int8:>8.3f} "
+            f"{t_float / t_int8:>7.2f}x {t_row:>9} {err:>8.1e}"
         )
 
 

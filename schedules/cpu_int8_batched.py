@@ -7,7 +7,9 @@ dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier
 convert, an FMA with the weight scale; see `cpu_int8_ops`). SmolLM2's gate/up projection
 (q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
 schedule: 0.83 ms), to 0.41 ms with the multipliers, and 5-10% lower again with its scratch
-buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison.
+buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. From 8
+sequences on, the 4-bit and most K-quant formats now take `cpu_int8_columns`' tiles instead,
+which spend about half the instructions per weight.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
   load and unpack);
@@ -45,12 +47,14 @@ TILE_ROWS = 8  # sequences per tile: 8 accumulators, the codes, the scales: 16 y
 TAIL_ROWS = 4  # the batch's remainder, in tiles of this many
 
 
-def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
+def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_tiles: bool = True):
     """`out[b, 0, :] = x[b, 0, :] @ dequantize(w)^T` for a batch of sequences.
 
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
-    `quant_matmul` PrimFunc it replaces. Whole tiles of `TILE_ROWS` sequences first, then
-    the rest in tiles of `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8). Reached through
+    `quant_matmul` PrimFunc it replaces. From `cpu_int8_columns.MIN_ROWS` sequences on, the
+    formats listed there take the column tiles of that module (unless `column_tiles` is
+    False); otherwise whole tiles of `TILE_ROWS` sequences first, then the rest in tiles of
+    `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8). Reached through
     `cpu_int8_gemv.gemv_kernel`, which checks the shape.
     """
     groups = k // LANES
@@ -63,7 +67,7 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None):
     quantize = quantize_macro(groups, halves)
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
-    use_columns = qtype in columns.MIN_ROWS
+    use_columns = column_tiles and qtype in columns.MIN_ROWS
     min_columns = columns.MIN_ROWS.get(qtype, 0)
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
 

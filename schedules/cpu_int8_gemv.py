@@ -57,19 +57,20 @@ def supported(target) -> bool:
         return False
 
 
-def gemv_kernel(qtype: str, n_out: int, k: int, batch: int | None):
+def gemv_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_tiles: bool = True):
     """`out[b, 0, :] = x[b, 0, :] @ dequantize(w)^T` for `qtype` weights [n_out, k].
 
     `batch` is the static number of sequences, or None for a symbolic one (`batch_decode`).
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out). One sequence
-    gets the kernel below; more get the tiled kernel of `cpu_int8_batched`.
+    gets the kernel below; more get the tiled kernel of `cpu_int8_batched`, whose column
+    tiles (`cpu_int8_columns`) `column_tiles=False` turns off (benchmarks, tests).
     """
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     if batch != 1:
         from .cpu_int8_batched import batched_kernel
 
-        return batched_kernel(qtype, n_out, k, batch)
+        return batched_kernel(qtype, n_out, k, batch, column_tiles)
     return _row_kernel(qtype, n_out, k)
 
 

@@ -129,13 +129,28 @@ def test_gemv_matches_numpy(qtype):
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu_int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
-    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1)."""
+    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); for the formats with column tiles
+    (`cpu_int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
+    one of 16 then one of 3."""
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
     for batch in (1, 4, 5, 8, 13, 19):
         x = _activations(batch, k, seed=2 + batch)
+        _check(kernel(x, blocks, n), x, deq)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q6k"])
+def test_row_tiles_without_column_tiles(qtype):
+    """The row tiles at batches the column tiles take over for these formats (their 8-row
+    tiles run only for the formats without column tiles otherwise)."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 48
+    blocks, deq = _weights(qtype, n, k, seed=5)
+    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, column_tiles=False))
+    for batch in (8, 13):
+        x = _activations(batch, k, seed=6 + batch)
         _check(kernel(x, blocks, n), x, deq)
 
 
