@@ -20,6 +20,11 @@ rows and the value pass `block_chunks` slices of head_dim at a time, about 12 ch
 Measured on SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), 16 sequences of 48
 tokens, one thread, interleaved: 60-85 us against 73-117 us for the previous kernel,
 18-27% less.
+Pages sit anywhere in the cache, so the hardware prefetchers (which follow addresses) cannot
+find the next one: the kernel prefetches the next page's key and value blocks while it reads
+a page, and the first page of the thread's next work item before its first. In a model's
+step at 16 sequences (SmolLM2, contexts 32-128, interleaved in one process) that took 4% off
+the whole step (best 29.9 against 31.5 ms, median 35.9 against 37.5 ms).
 Same signature and results as the cache's own kernel, including the log2-sum-exp `lse`
 that the cache uses to merge partial attentions; scores are in the log2 domain as there.
 """

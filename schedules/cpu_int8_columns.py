@@ -14,10 +14,18 @@ at AVX2's limit. Here the 8 lanes are 8 output columns instead:
   scales finish the group for all 8 columns.
 
 For 4-bit codes that is about 19 vector instructions per sequence, group and 8 columns, where
-the row tiles spend 32: SmolLM2's q4_1 gate/up projection (3072 x 576) for 16 sequences went
-from 0.61 to 0.45 ms on one thread. The transpose costs a fixed amount per tile, so small
-batches keep the row tiles (`MIN_ROWS`). The activations are quantized as `cpu_int8_ops`
-documents; the numbers are those of the other kernels, up to float summation order.
+the row tiles spend 32. q4_0 and q4_1 skip the decode-then-transpose: their nibble bytes
+transpose directly (`nibble_steps`, 24 instructions per group and 8 columns, not 56).
+
+The tile reads its 8 weight rows a row apart, which the hardware prefetchers do not follow:
+with the weights coming from memory (as in a model's step, not a benchmark loop) the first
+version was slower than the row tiles, 0.80 against 0.67 ms. Each group now prefetches the
+same group of the next 8 rows. `benchmarks/decode_matmul.py --cold`, SmolLM2's q4_1 gate/up
+projection (3072 x 576), weights from memory, 2 threads: 16 sequences 0.658 -> 0.421 ms,
+8 sequences 0.355 -> 0.249 ms against the row tiles. The transpose costs a fixed amount per
+tile, so small batches keep the row tiles (`MIN_ROWS`). The activations are quantized as
+`cpu_int8_ops` documents; the results are those of the other kernels up to float summation
+order (tests: numpy on `gguf`'s dequantizers, and codes at the int16 / int32 bounds).
 """
 
 from __future__ import annotations
