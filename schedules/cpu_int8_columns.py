@@ -91,21 +91,24 @@ def _shuffle(a, b, idx):
     return tirx.Shuffle([a, b], [_c(i) for i in idx])
 
 
+# Two-input shuffles of int32x8 within 128-bit halves: x86's 32- and 64-bit unpacks.
+LO32, HI32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+LO64, HI64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+
+
 def transpose(vecs):
     """8 int32x8 vectors in, 8 out, with out[s][c] = vecs[c][s].
 
     Three rounds of two-input shuffles that x86 has as single instructions: 32-bit and
     64-bit unpacks within 128-bit halves, then 128-bit permutes (24 in all).
     """
-    lo32, hi32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
-    lo64, hi64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
     pairs = []  # pairs[2j]: steps 0,1 | 4,5 of columns 2j, 2j+1; pairs[2j+1]: 2,3 | 6,7
     for c in range(0, 8, 2):
-        pairs += [_shuffle(vecs[c], vecs[c + 1], lo32), _shuffle(vecs[c], vecs[c + 1], hi32)]
+        pairs += [_shuffle(vecs[c], vecs[c + 1], LO32), _shuffle(vecs[c], vecs[c + 1], HI32)]
     quads = []  # quads[4h + s]: step s (low half) and s + 4 (high half) of columns 4h..4h+3
     for h in (0, 4):
         for first, second in ((pairs[h], pairs[h + 2]), (pairs[h + 1], pairs[h + 3])):
-            quads += [_shuffle(first, second, lo64), _shuffle(first, second, hi64)]
+            quads += [_shuffle(first, second, LO64), _shuffle(first, second, HI64)]
     low, high = (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)
     out = [None] * STEPS
     for s in range(4):
@@ -135,12 +138,10 @@ def nibble_steps(w, n0, g, block_bytes: int, start: int):
         tirx.reinterpret("int32x8", tirx.Shuffle([raw(c), raw(c + 4)], [_c(i) for i in range(32)]))
         for c in range(4)
     ]
-    lo32, hi32 = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
-    lo64, hi64 = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
     words = []
-    for half in (lo32, hi32):
+    for half in (LO32, HI32):
         a, b = _shuffle(pairs[0], pairs[1], half), _shuffle(pairs[2], pairs[3], half)
-        words += [_shuffle(a, b, lo64), _shuffle(a, b, hi64)]
+        words += [_shuffle(a, b, LO64), _shuffle(a, b, HI64)]
     mask = tirx.Broadcast(tirx.const(0x0F0F0F0F, "int32"), COLS)
     shift = tirx.Broadcast(tirx.const(4, "int32"), COLS)
     return [v & mask for v in words] + [(v >> shift) & mask for v in words]
@@ -214,10 +215,8 @@ def tile_macro(qtype: str, groups: int):
         """Per column: this group's products, and its offsets times the activation sums."""
         if in_int32:
             m = xm.vload([row, g * MULT_LANES], "int16x16")
-            m_float = tirx.Broadcast(tirx.const(1.0, "float32"), COLS)
-        else:
+        else:  # pmaddwd by ones; the multiplier in float below
             m = tirx.Broadcast(tirx.const(1, "int16"), MULT_LANES)
-            m_float = tirx.Broadcast(tirx.Cast("float32", xm[row, g * MULT_LANES]), COLS)
         dots = None
         offs = None
         for h in range(halves):
@@ -229,7 +228,9 @@ def tile_macro(qtype: str, groups: int):
             )
             dots = scaled if dots is None else dots + scaled
             offs = shift if offs is None else offs + shift
-        return dots if in_int32 else dots * m_float, offs
+        if not in_int32:
+            dots = dots * tirx.Broadcast(tirx.Cast("float32", xm[row, g * MULT_LANES]), COLS)
+        return dots, offs
 
     @T.macro
     def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
@@ -266,9 +267,10 @@ def tile_macro(qtype: str, groups: int):
             else:
                 for c in T.unroll(COLS):
                     sc[c] = group(w, qtype, n0 + c, g).scale_lo
-                    sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
                     sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
-                    sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
+                    if halves == 2:
+                        sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
+                        sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
                 acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd[0]
