@@ -4,13 +4,14 @@
 
 For one weight shape and format (random weights, quantized with `tallow.compiler.quant`),
 prints the best time of each kernel at several batch sizes: `int8` is what `batch_decode`
-runs on AVX2 CPUs (`schedules/cpu_int8_gemv.py` for one row, `cpu_int8_batched.py` for
-more: one compiled kernel with a symbolic batch, which from 8 or 12 sequences on takes the
-column tiles of `cpu_int8_columns.py` for the formats that have them), `int8 row tiles` the
-same kernel with the column tiles off, `float tiled` the prefill schedule of `cpu_tiled.py`
-on the same rows, and `int8 row` the static one-row kernel of `decode`. `--cold` cycles
-through enough copies of the weights (64 MB) that every call reads them from memory, as a
-model's decode step does; without it they stay in cache.
+runs on x86 CPUs (`schedules/cpu_int8_gemv.py` for one row, `cpu_int8_batched.py` for
+more: one compiled kernel with a symbolic batch, which from a few sequences on takes column
+tiles: `cpu_int8_vnni.py`'s on CPUs with AVX-512 VNNI, else, for the formats that have
+them, `cpu_int8_columns.py`'s), `avx2 columns` (on AVX-512 VNNI CPUs only) the same kernel
+with the AVX2 column tiles, `int8 row tiles` with the column tiles off, `float tiled` the
+prefill schedule of `cpu_tiled.py` on the same rows, and `int8 row` the static one-row
+kernel of `decode`. `--cold` cycles through enough copies of the weights (64 MB) that every
+call reads them from memory, as a model's decode step does; without it they stay in cache.
 The error column is the int8 result's largest difference from the float one, relative to
 the largest output (the activations' int8 rounding, about 1e-2 at most).
 """
@@ -27,7 +28,7 @@ from tvm.relax.frontend import nn
 from tallow.compiler.quant import quantize
 from tallow.compiler.target import resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
-from tallow.schedules import cpu_int8_gemv, cpu_quant
+from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni, cpu_quant
 
 
 class _Projection(nn.Module):
@@ -78,7 +79,9 @@ def main() -> None:
     mod, _ = _Projection(args.k, args.n, args.qtype).export_tvm(spec)
     (func,) = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     tiled = _build(cpu_quant.schedule_func(func, target), target)
-    batched = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None), target)
+    vnni = cpu_int8_vnni.supported(target)
+    batched = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, vnni=vnni), target)
+    avx2 = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None), target)
     row_tiles = _build(
         cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, column_tiles=False), target
     )
@@ -91,18 +94,20 @@ def main() -> None:
         + (f" (cold: {copies} copies)" if args.cold else "")
     )
     print(
-        f"{'batch':>5} {'float tiled':>12} {'int8 row tiles':>15} {'int8':>8} {'speedup':>8} "
-        f"{'int8 row':>9} {'error':>8}"
+        f"{'batch':>5} {'float tiled':>12} {'int8 row tiles':>15} "
+        + (f"{'avx2 columns':>13} " if vnni else "")
+        + f"{'int8':>8} {'speedup':>8} {'int8 row':>9} {'error':>8}"
     )
     for b in args.batch:
         x = rng.standard_normal((b, 1, args.k)).astype(np.float32)
         t_float, ref = _best_ms(tiled, x, weights, (1, b, args.n), repeat)
         t_tiles, _ = _best_ms(row_tiles, x, weights, (b, 1, args.n), repeat)
+        t_avx2 = f"{_best_ms(avx2, x, weights, (b, 1, args.n), repeat)[0]:13.3f} " if vnni else ""
         t_int8, got = _best_ms(batched, x, weights, (b, 1, args.n), repeat)
         t_row = f"{_best_ms(row, x, weights, (1, 1, args.n), repeat)[0]:9.3f}" if b == 1 else ""
         err = np.abs(got - ref).max() / np.abs(ref).max()
         print(
-            f"{b:>5} {t_float:>12.3f} {t_tiles:>15.3f} {t_int8:>8.3f} "
+            f"{b:>5} {t_float:>12.3f} {t_tiles:>15.3f} {t_avx2}{t_int8:>8.3f} "
             f"{t_float / t_int8:>7.2f}x {t_row:>9} {err:>8.1e}"
         )
 

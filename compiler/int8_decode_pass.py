@@ -8,6 +8,10 @@ pass substitutes `schedules.cpu_int8_gemv`'s hand-written kernel, with the same 
 as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token axis) keep
 float activations and the tiled schedule.
 
+On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu_int8_vnni`'s column tiles
+(the same numbers, fewer instructions); the manifest names the tiles
+(`target.details.int8_decode_tiles`).
+
 This changes decode's numerics in the way llama.cpp's do: activations are rounded to int8
 per 32 before the product (Q8_0's rule, the scales kept as int16 multiples of a step per row:
 see `schedules.cpu_int8_ops`). The manifest records it (`target.details.decode_activations`).
@@ -23,7 +27,7 @@ log = logging.getLogger(__name__)
 ACTIVATIONS = "int8_g32_row_step"
 
 
-def int8_kernel_for(func):
+def int8_kernel_for(func, vnni: bool = False):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules import cpu_int8_gemv
@@ -40,11 +44,12 @@ def int8_kernel_for(func):
     if k is None or n is None or k % cpu_int8_gemv.LANES or n % cpu_int8_gemv.N_CHUNK:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
-    return cpu_int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]))
+    return cpu_int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]), vnni=vnni)
 
 
-def int8_decode_kernels(details: dict):
-    """The module pass; counts the kernels it replaced into `details`."""
+def int8_decode_kernels(details: dict, vnni: bool = False):
+    """The module pass; counts the kernels it replaced into `details`. `vnni`: the target
+    has AVX-512 VNNI (`schedules.cpu_int8_vnni.supported`)."""
     import tvm
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8DecodeKernels")
@@ -52,13 +57,15 @@ def int8_decode_kernels(details: dict):
         updated = {}
         for gv, func in mod.functions_items():
             if isinstance(func, tvm.tirx.PrimFunc):
-                kernel = int8_kernel_for(func)
+                kernel = int8_kernel_for(func, vnni)
                 if kernel is not None:
                     updated[gv] = kernel
         for gv, kernel in updated.items():
             mod[gv] = kernel
         details["decode_activations"] = ACTIVATIONS if updated else "float32"
         details["int8_decode_kernels"] = len(updated)
+        if updated:
+            details["int8_decode_tiles"] = "avx512-vnni" if vnni else "avx2"
         log.info("int8-activation decode kernels: %d", len(updated))
         return mod
 

@@ -33,7 +33,7 @@ def _passes(spec: TargetSpec, target):
     from tvm import relax
     from tvm.relax import transform as T
 
-    from tallow.schedules import cpu_int8_gemv, schedule_pass_for
+    from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni, schedule_pass_for
 
     from .fast_silu_pass import fast_silu
     from .int8_decode_pass import int8_decode_kernels
@@ -43,7 +43,11 @@ def _passes(spec: TargetSpec, target):
     graphs = [T.RewriteCUDAGraph()] if spec.kind == "cuda" else []
     noalias = [mark_noalias()] if spec.kind == "cpu" else []
     silu = [fast_silu()] if spec.kind == "cpu" else []
-    int8_decode = [int8_decode_kernels(spec.details)] if cpu_int8_gemv.supported(target) else []
+    int8_decode = (
+        [int8_decode_kernels(spec.details, vnni=cpu_int8_vnni.supported(target))]
+        if cpu_int8_gemv.supported(target)
+        else []
+    )
     return [
         *silu,
         *int8_decode,

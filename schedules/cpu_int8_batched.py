@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from tallow.model_defs.quant_ops import row_bytes
 
 from . import cpu_int8_columns as columns
+from . import cpu_int8_vnni as vnni_columns
 from .cpu_int8_codes import LANES, SIGNED, group
 from .cpu_int8_ops import (
     MULT_LANES,
@@ -47,15 +48,24 @@ TILE_ROWS = 8  # sequences per tile: 8 accumulators, the codes, the scales: 16 y
 TAIL_ROWS = 4  # the batch's remainder, in tiles of this many
 
 
-def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_tiles: bool = True):
+def batched_kernel(
+    qtype: str,
+    n_out: int,
+    k: int,
+    batch: int | None,
+    column_tiles: bool = True,
+    vnni: bool = False,
+):
     """`out[b, 0, :] = x[b, 0, :] @ dequantize(w)^T` for a batch of sequences.
 
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
-    `quant_matmul` PrimFunc it replaces. From `cpu_int8_columns.MIN_ROWS` sequences on, the
-    formats listed there take the column tiles of that module (unless `column_tiles` is
-    False); otherwise whole tiles of `TILE_ROWS` sequences first, then the rest in tiles of
-    `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8). Reached through
-    `cpu_int8_gemv.gemv_kernel`, which checks the shape.
+    `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
+    batch takes the column tiles of `cpu_int8_vnni` (from one sequence on they beat these row
+    tiles). Otherwise, from `cpu_int8_columns.MIN_ROWS` sequences on, the formats listed
+    there take that module's column tiles; smaller batches and the other formats take whole
+    tiles of `TILE_ROWS` sequences first, then the rest in tiles of `TAIL_ROWS` (a batch of
+    4 pays for 4 rows, not 8). `column_tiles=False` keeps the row tiles (tests, benchmarks).
+    Reached through `cpu_int8_gemv.gemv_kernel`, which checks the shape.
     """
     groups = k // LANES
     rb = row_bytes(qtype, k)
@@ -67,9 +77,11 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_til
     quantize = quantize_macro(groups, halves)
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
-    use_columns = column_tiles and qtype in columns.MIN_ROWS
+    vnni = vnni and column_tiles
+    use_columns = column_tiles and not vnni and qtype in columns.MIN_ROWS
     min_columns = columns.MIN_ROWS.get(qtype, 0)
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
+    vnni_tile = vnni_columns.tile_macro(qtype, groups) if vnni else None
 
     @T.macro
     def row_tiles(w, xq, xm, xr, xs, out):
@@ -101,6 +113,18 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_til
                     r0: T.let[T.int64] = rt * columns.ROWS
                     column_tile(w, nb * cols, r0, T.min(B - r0, columns.ROWS), xq, xm, xr, xs, out)
 
+    @T.macro
+    def vnni_tiles(w, xq, steps, xs, out):
+        cols = vnni_columns.COLS
+        for nb in T.parallel(n_out // cols):
+            for rt in range((B + vnni_columns.ROWS - 1) // vnni_columns.ROWS):
+                with T.sblock("dot_vnni"):
+                    T.reads(w[nb * cols : nb * cols + cols, 0:rb], xq[:, :], steps[:, :], xs[:, :])
+                    T.writes(out[:, 0, nb * cols : nb * cols + cols])
+                    r0: T.let[T.int64] = rt * vnni_columns.ROWS
+                    rows: T.let[T.int64] = T.min(B - r0, vnni_columns.ROWS)
+                    vnni_tile(w, nb * cols, r0, rows, xq, steps, xs, out)
+
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
@@ -110,11 +134,15 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_til
         xm = T.sblock_alloc_buffer((padded, groups * MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((padded,), "float32")
         xs = T.sblock_alloc_buffer((groups * halves, padded), "float32")
+        steps = T.sblock_alloc_buffer((padded, groups), "float32")  # m * unit, for vnni
         for r in T.parallel(B):
             with T.sblock("quantize"):
                 T.reads(x[r, 0, 0:k])
-                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r])
+                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r], steps[r, :])
                 quantize(x, r, xq, xm, xr, xs)
+                if vnni:
+                    for g in range(groups):
+                        steps[r, g] = xr[r] * T.Cast("float32", xm[r, g * MULT_LANES])
         for r, g in T.grid(padded - B, groups):
             with T.sblock("pad"):
                 T.reads()
@@ -131,7 +159,9 @@ def batched_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_til
                 xr[B + r] = T.float32(0)
                 for h in T.unroll(halves):
                     xs[g * halves + h, B + r] = T.float32(0)
-        if use_columns:
+        if vnni:
+            vnni_tiles(w, xq, steps, xs, out)
+        elif use_columns:
             if min_columns <= B:
                 column_tiles(w, xq, xm, xr, xs, out)
             else:

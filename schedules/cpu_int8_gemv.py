@@ -57,20 +57,28 @@ def supported(target) -> bool:
         return False
 
 
-def gemv_kernel(qtype: str, n_out: int, k: int, batch: int | None, column_tiles: bool = True):
+def gemv_kernel(
+    qtype: str,
+    n_out: int,
+    k: int,
+    batch: int | None,
+    column_tiles: bool = True,
+    vnni: bool = False,
+):
     """`out[b, 0, :] = x[b, 0, :] @ dequantize(w)^T` for `qtype` weights [n_out, k].
 
     `batch` is the static number of sequences, or None for a symbolic one (`batch_decode`).
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out). One sequence
     gets the kernel below; more get the tiled kernel of `cpu_int8_batched`, whose column
-    tiles (`cpu_int8_columns`) `column_tiles=False` turns off (benchmarks, tests).
+    tiles (`cpu_int8_columns`, or `cpu_int8_vnni` where `vnni`: the target has AVX-512 VNNI)
+    `column_tiles=False` turns off (benchmarks, tests).
     """
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     if batch != 1:
         from .cpu_int8_batched import batched_kernel
 
-        return batched_kernel(qtype, n_out, k, batch, column_tiles)
+        return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
     return _row_kernel(qtype, n_out, k)
 
 

@@ -20,9 +20,11 @@ from tallow.compiler.int8_decode_pass import int8_decode_kernels
 from tallow.compiler.quant import QUANT_TYPES, quantize
 from tallow.compiler.target import resolve_target
 from tallow.model_defs.quant_ops import BLOCK, QuantLinear
-from tallow.schedules import cpu_int8_gemv
+from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni
 
 TARGET = resolve_target("cpu", "f32").tvm()
+HAS_VNNI = cpu_int8_vnni.supported(TARGET)
+needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
 
 pytestmark = pytest.mark.skipif(not cpu_int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
 
@@ -141,6 +143,21 @@ def test_batched_matches_numpy(qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(BLOCK))
+def test_vnni_tiles_match_numpy(qtype):
+    """Every format through `cpu_int8_vnni`'s 16-column tiles (what `batch_decode` runs on
+    CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
+    ones and a rest (19, 33), and 64 output columns: four 16-column blocks."""
+    k = 96 if BLOCK[qtype][0] == 32 else 512
+    n = 64
+    blocks, deq = _weights(qtype, n, k, seed=21)
+    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    for batch in (1, 4, 13, 16, 19, 33):
+        x = _activations(batch, k, seed=22 + batch)
+        _check(kernel(x, blocks, n), x, deq)
+
+
 @pytest.mark.parametrize("qtype", ["q4_1", "q6k"])
 def test_row_tiles_without_column_tiles(qtype):
     """The row tiles at batches the column tiles take over for these formats (their 8-row
@@ -159,7 +176,8 @@ def test_batched_at_extreme_codes(qtype):
     """Weight groups at their largest codes against full-scale activations of the same
     signs: the sums reach the int16 and int32 bounds the kernels add within (every group's
     multiplier is the largest, 32767). An overflow would show as a huge error. Both the row
-    tiles (5 sequences) and, where the format has them, the column tiles (16)."""
+    tiles (5 sequences) and, where the format has them, the column tiles (16); on CPUs with
+    AVX-512 VNNI its tiles too (q8_0's -128 and 127 are its flipped codes' ends)."""
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 16
     rng = np.random.default_rng(11)
@@ -170,13 +188,16 @@ def test_batched_at_extreme_codes(qtype):
     w[12:, 5::32] = 0.0
     blocks = quantize(w, qtype)
     deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
-    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
-    for batch in (5, 16):
-        x = np.stack([patterns[i % 4] * (1 - 2 * (i // 4 % 2)) for i in range(batch)])
-        x = x.astype(np.float32).reshape(batch, 1, k) * 3
-        ref, bound = _oracle(x, deq.astype(np.float64))
-        got = kernel(x, blocks, n)
-        assert (np.abs(got - ref) <= 1e-5 * bound + 1e-6).all(), f"batch {batch}"
+    kernels = {"avx2": _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))}
+    if HAS_VNNI:
+        kernels["vnni"] = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    for name, kernel in kernels.items():
+        for batch in (5, 16):
+            x = np.stack([patterns[i % 4] * (1 - 2 * (i // 4 % 2)) for i in range(batch)])
+            x = x.astype(np.float32).reshape(batch, 1, k) * 3
+            ref, bound = _oracle(x, deq.astype(np.float64))
+            got = kernel(x, blocks, n)
+            assert (np.abs(got - ref) <= 1e-5 * bound + 1e-6).all(), f"{name}, batch {batch}"
 
 
 def test_batched_static_size():
@@ -201,6 +222,11 @@ def test_supported_targets():
         Target({"kind": "llvm", "mtriple": "arm64-apple-macos", "mcpu": "apple-m1"})
     )
     assert not cpu_int8_gemv.supported(None)
+    assert cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver4"}))
+    assert cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "sapphirerapids"}))
+    assert not cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver3"}))
+    assert not cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
+    assert not cpu_int8_vnni.supported(None)
 
 
 class _Projections(nn.Module):
@@ -231,7 +257,11 @@ def test_pass_replaces_decode_kernels_only():
     floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
     assert len(int8) == 2 and len(floats) == 2
     assert all(int(f.attrs["op_pattern"]) == 8 for f in int8)  # opaque: fusion leaves it whole
-    assert details == {"decode_activations": "int8_g32_row_step", "int8_decode_kernels": 2}
+    assert details == {
+        "decode_activations": "int8_g32_row_step",
+        "int8_decode_kernels": 2,
+        "int8_decode_tiles": "avx2",
+    }
 
 
 @pytest.mark.slow

@@ -1,0 +1,190 @@
+"""Batched decode column tiles for CPUs with AVX-512 VNNI: 16 output columns per vector.
+
+The AVX2 column tiles of `cpu_int8_columns` spend, per sequence, group and 8 columns, a
+`pmaddubsw` per 4-weight step, int16 adds across steps, a `pmaddwd` by the activations'
+multiplier, a convert and an FMA: about 19 instructions. AVX-512 VNNI's `vpdpbusd` multiplies
+unsigned bytes by signed bytes and adds each lane's 4 products straight into an int32
+accumulator, and its activation operand can be a 32-bit word broadcast from memory. So here,
+per sequence and group, 16 columns cost a `vpdpbusd` per step (8), and per scale block a
+convert, a multiply and two FMAs (the weight scale times the group's activation step, then
+the offset times the activation sum), into one float accumulator per sequence:
+
+* a group's codes for 16 columns are transposed once per tile of up to 16 sequences, as
+  two 8-column halves (`cpu_int8_columns.transpose` / `nibble_steps`) joined into 512-bit
+  vectors: vector `s` holds weights `4s..4s+3` of each of the 16 columns;
+* no int16 sums, so no bound on the codes: every format takes these tiles, q8_0 included
+  (its signed codes are flipped to unsigned, `code + 128`, and the `-128 * d` goes to the
+  offset, which multiplies the activation sum the quantize step already computes);
+* the activations are quantized as for the other kernels (`cpu_int8_ops`), and a group's
+  multiplier times the row's step is kept as one float per group (`steps`), which the
+  weight scale multiplies: the result is the dot product of the same rounded activations.
+
+Each group prefetches the same group of the next 16 rows, as the AVX2 tiles do (the rows are
+a row apart in memory, which the hardware prefetchers do not follow).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tallow.model_defs.quant_ops import BLOCK
+
+from .cpu_int8_codes import LANES, SIGNED, group
+from .cpu_int8_columns import NIBBLE_CODES, nibble_steps, transpose
+from .cpu_int8_ops import offset_halves
+from .tir_vectors import prefetch
+
+COLS = 16  # output columns per vector (int32 / float32 lanes of a 512-bit register)
+HALF = 8  # columns per 256-bit transpose
+STEPS = LANES // 4  # 4-weight steps per group
+ROWS = 16  # sequences per tile: the transposed codes are reused this many times
+FEATURES = ("avx512f", "avx512bw", "avx512vnni")
+
+# The legacy formats keep a group's f16 scale (and, for q4_1 / q5_1, the f16 min after it)
+# at the start of the block; the others' offset is the scale times this code shift.
+LEGACY_SHIFT = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0, "q4_1": None, "q5_1": None}
+
+
+def supported(target) -> bool:
+    """Whether `target` (an x86 LLVM target) has the AVX-512 VNNI these tiles need."""
+    from tvm.target import codegen
+
+    if target is None or target.kind.name != "llvm":
+        return False
+    try:
+        return all(bool(codegen.target_has_features(f, target)) for f in FEATURES)
+    except Exception:  # noqa: BLE001 - an LLVM without x86 support has no such features
+        return False
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def _join(lo, hi, lanes: int):
+    """Two vectors of `lanes` lanes as one of twice as many (a 256-bit insert)."""
+    return tirx.Shuffle([lo, hi], [_c(i) for i in range(2 * lanes)])
+
+
+def _vpdpbusd(acc, codes, x):
+    """acc (int32x16) plus, per lane, the 4 products of unsigned codes and signed bytes."""
+    return T.call_llvm_pure_intrin(
+        "int32x16",
+        "llvm.x86.avx512.vpdpbusd.512",
+        acc,
+        tirx.reinterpret("uint8x64", codes),
+        tirx.reinterpret("int8x64", x),
+    )
+
+
+def step_vectors(w, n0, g, qtype: str):
+    """8 int32x16: vector `s` holds unsigned codes `4s..4s+3` of group `g` of rows n0..n0+15."""
+    block_weights, block_bytes = BLOCK[qtype]
+
+    def half(first):
+        if qtype in NIBBLE_CODES:
+            return nibble_steps(w, first, g, block_bytes, NIBBLE_CODES[qtype])
+        codes = [group(w, qtype, first + c, g).codes for c in range(HALF)]
+        return transpose([tirx.reinterpret("int32x8", v) for v in codes])
+
+    lo, hi = half(n0), half(n0 + HALF)
+    steps = [_join(a, b, HALF) for a, b in zip(lo, hi, strict=True)]
+    if qtype in SIGNED:  # int8 codes as code + 128: flip each byte's sign bit
+        flip = tirx.Broadcast(tirx.const(-0x7F7F7F80, "int32"), COLS)  # 0x80808080
+        steps = [v ^ flip for v in steps]
+    return steps
+
+
+def legacy_scales(w, n0, g, qtype: str):
+    """(scales, offsets) of 16 rows' group `g`, float32x16, for the legacy block formats:
+    one 32-bit word per row holds the f16 scale and what follows it (the min, or a code)."""
+    block_bytes = BLOCK[qtype][1]
+    words = [
+        tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes], "uint8x4"))
+        for c in range(COLS)
+    ]
+    halves = tirx.reinterpret("float16x32", tirx.Shuffle(words, [_c(i) for i in range(COLS)]))
+    d = tirx.Cast("float32x16", tirx.Shuffle([halves], [_c(2 * i) for i in range(COLS)]))
+    shift = LEGACY_SHIFT[qtype]
+    if shift is None:  # d, then the min
+        mins = tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(COLS)])
+        return d, tirx.Cast("float32x16", mins)
+    return d, d * tirx.Broadcast(tirx.const(shift, "float32"), COLS)
+
+
+def tile_macro(qtype: str, groups: int):
+    """A macro: columns `n0..n0+15` for `rows` (<= ROWS) sequences from `r0`, the whole K.
+
+    Arguments: the weight buffer, the int8 activations `xq`, `steps` (float32 [rows, groups]:
+    each group's multiplier times the row's step), the activation sums `xs` (as in
+    `cpu_int8_ops`), then `out`.
+    """
+    halves = offset_halves(qtype)
+    per_scale = STEPS // halves  # steps under one weight scale
+    block_weights, block_bytes = BLOCK[qtype]
+    legacy = qtype in LEGACY_SHIFT
+
+    def prefetch_group(w, n, g):
+        """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
+        byte = g * LANES * block_bytes // block_weights
+        return prefetch(tirx.address_of(w[tirx.min(n, w.shape[0] - 1), byte]))
+
+    def broadcast(xq, row, g, s):
+        """Activations 4s..4s+3 of the group, in every 32-bit lane."""
+        word = tirx.reinterpret("int32", xq.vload([row, g * LANES + s * 4], "int8x4"))
+        return tirx.Broadcast(word, COLS)
+
+    def update(ct, sc, xq, steps, xs, row, g):
+        """This group's contribution to the 16 columns of sequence `row`."""
+        total = None
+        for h in range(halves):
+            dots = tirx.Broadcast(tirx.const(0, "int32"), COLS)
+            for s in range(h * per_scale, (h + 1) * per_scale):
+                dots = _vpdpbusd(dots, ct.vload([s * COLS], "int32x16"), broadcast(xq, row, g, s))
+            scale = sc.vload([h * COLS], "float32x16") * tirx.Broadcast(steps[row, g], COLS)
+            offset = sc.vload([(2 + h) * COLS], "float32x16")
+            term = tirx.Cast("float32x16", dots) * scale + offset * tirx.Broadcast(
+                xs[g * halves + h, row], COLS
+            )
+            total = term if total is None else total + term
+        return total
+
+    @T.macro
+    def tile(w, n0, r0, rows, xq, steps, xs, out):
+        # stack arrays (not "local", see cpu_int8_ops.quantize_macro)
+        acc = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
+        ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
+        sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
+        for i in T.unroll(ROWS):
+            acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        for g in range(groups):
+            for c in T.unroll(COLS):
+                T.evaluate(prefetch_group(w, n0 + COLS + c, g))
+            tr = T.meta_var(step_vectors(w, n0, g, qtype))
+            ct[T.Ramp(0, 1, 16)] = tr[0]
+            ct[T.Ramp(16, 1, 16)] = tr[1]
+            ct[T.Ramp(32, 1, 16)] = tr[2]
+            ct[T.Ramp(48, 1, 16)] = tr[3]
+            ct[T.Ramp(64, 1, 16)] = tr[4]
+            ct[T.Ramp(80, 1, 16)] = tr[5]
+            ct[T.Ramp(96, 1, 16)] = tr[6]
+            ct[T.Ramp(112, 1, 16)] = tr[7]
+            if legacy:
+                sv = T.meta_var(legacy_scales(w, n0, g, qtype))
+                sc[T.Ramp(0, 1, COLS)] = sv[0]
+                sc[T.Ramp(2 * COLS, 1, COLS)] = sv[1]
+            else:
+                for c in T.unroll(COLS):
+                    sc[c] = group(w, qtype, n0 + c, g).scale_lo
+                    sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
+                    if halves == 2:
+                        sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
+                        sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
+            for r in range(rows):
+                upd = T.meta_var(update(ct, sc, xq, steps, xs, r0 + r, g))
+                acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd
+        for r in range(rows):
+            out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)]
+
+    return tile
