@@ -138,7 +138,7 @@ def schedule_module(mod: tvm.IRModule, target) -> tvm.IRModule:
     # every weight inside the K loop instead of a block at a time.
     from . import cpu_attention, cpu_quant, cpu_rope
 
-    mod = cpu_attention.replace_attention_kernels(mod)
+    mod = cpu_attention.replace_attention_kernels(mod, target)
     mod = cpu_rope.replace_rope_kernel(mod)
     mod = cpu_quant.schedule_module(mod, target)
     updated = {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .cpu_attention_decode import LANES, NEG, TILE, decode_kernel
+from .cpu_attention_decode import LANES, NEG, TILE, decode_kernel, vector_lanes
 from .tir_math import LOG2E, exp2
 from .tir_vectors import add, reduce_lanes
 
@@ -255,12 +255,14 @@ def _shape(func, index: int) -> tuple[list, str]:
     return [int(x) if isinstance(x, tvm.tirx.IntImm) else None for x in buf.shape], str(buf.dtype)
 
 
-def _replacement(name: str, func):
+def _replacement(name: str, func, target):
     """Our kernel for the cache kernel `name`, sized from its buffers; None if not ours."""
     if name == DECODE:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, _, h_kv, page_size, _), _ = _shape(func, 1)
-        return decode_kernel(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
+        if d % LANES:
+            return None
+        return decode_kernel(h_kv, h_q, d, dtype, page_size, vector_lanes(target, d))
     if name == PREFILL_RAGGED:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, h_kv, d_v), _ = _shape(func, 3)
@@ -272,12 +274,13 @@ def _replacement(name: str, func):
     return None
 
 
-def replace_attention_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """Swap the KV cache's CPU attention kernels in `mod` for the ones above."""
+def replace_attention_kernels(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """Swap the KV cache's CPU attention kernels in `mod` for the ones above (decode's with
+    16-lane vectors where `target` has AVX-512)."""
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
-        ours = _replacement(gv.name_hint, func)
+        ours = _replacement(gv.name_hint, func, target)
         if ours is not None:
             symbol = func.attrs.get("global_symbol") if func.attrs else None
             mod[gv] = ours.with_attr("global_symbol", symbol) if symbol else ours

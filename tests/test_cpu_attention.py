@@ -13,7 +13,7 @@ import pytest
 import tvm
 
 from tallow.schedules import cpu_attention as ca
-from tallow.schedules.cpu_attention_decode import decode_kernel
+from tallow.schedules.cpu_attention_decode import decode_kernel, vector_lanes
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
 SM = D**-0.5
@@ -76,20 +76,24 @@ def _build(func, target):
     return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize(
     ("h_kv", "h_q", "d", "page"),
     [(3, 9, 64, 16), (1, 4, 256, 16), (2, 2, 32, 12)],
     ids=["smollm2", "gemma3-270m", "mha-page12"],
 )
-def test_decode_matches_numpy(target, h_kv, h_q, d, page):
-    """Lengths around tile (8) and page boundaries, an empty sequence, a long one."""
+def test_decode_matches_numpy(target, h_kv, h_q, d, page, lanes):
+    """Lengths around tile (8) and page boundaries, an empty sequence, a long one; with
+    8-lane vectors (AVX2) and, where the CPU has AVX-512, 16-lane ones."""
+    if lanes > vector_lanes(target, d):
+        pytest.skip("this CPU has no AVX-512")
     rng = np.random.default_rng(0)
     lengths = [1, 8, 16, 17, 0, 23, 70]
     pool, indptr, values, last, rows = _paged(rng, lengths, h_kv, d, page)
     q = rng.standard_normal((len(lengths), h_q, d)).astype("float32")
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
     zeros = np.zeros(len(lengths))
-    kernel = _build(decode_kernel(h_kv, h_q, d, "float32", page), target)
+    kernel = _build(decode_kernel(h_kv, h_q, d, "float32", page, lanes), target)
     kernel(_t(q, "float32"), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
            _t(zeros), _t(zeros), out, lse, 0, 1.0, 1e4, d**-0.5)  # fmt: skip
     for b, n in enumerate(lengths):
@@ -136,3 +140,12 @@ def test_prefill_paged_matches_numpy(target, causal):
             want_out, want_lse = _attend(q[q_ptr[b] + i], *rows[b], max(0, visible))
             np.testing.assert_allclose(out.numpy()[q_ptr[b] + i], want_out, atol=2e-6)
             np.testing.assert_allclose(lse.numpy()[q_ptr[b] + i], want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_vector_lanes_follow_the_target():
+    def lanes(cpu, d):
+        return vector_lanes(tvm.target.Target({"kind": "llvm", "mcpu": cpu}), d)
+
+    assert lanes("haswell", 64) == 8 and lanes("znver3", 64) == 8
+    assert lanes("znver4", 64) == 16 and lanes("skylake-avx512", 256) == 16
+    assert lanes("znver4", 72) == 8  # head_dim not a multiple of 16
