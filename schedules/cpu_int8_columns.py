@@ -1,5 +1,8 @@
 """Batched decode, column-vectorized: one vector holds 8 output columns of one sequence.
 
+(AVX2. CPUs with AVX-512 VNNI take `cpu_int8_vnni`'s 16-column tiles instead, built on the
+transposes below.)
+
 `cpu_int8_batched`'s tiles keep a group's products in the lanes of one sequence's vector,
 so every group of every (sequence, column) pair ends in a `pmaddwd`, a convert and an FMA
 to fold those lanes and apply the group's scale: four vector instructions per 32 weights,

@@ -21,6 +21,7 @@ again in numpy. Only decode uses it
 decoded once per tile of tokens and it is not bound by the per-weight decode cost.
 
 Needs AVX2 (`pmaddubsw`, `pmaddwd`, `psignb` on 256-bit vectors); `supported(target)` says.
+Batches on CPUs with AVX-512 VNNI go to `cpu_int8_vnni`'s tiles (`vnni=True`).
 """
 
 from __future__ import annotations
