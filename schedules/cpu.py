@@ -10,8 +10,9 @@ weights' matmuls dominate decode and prefill, so they get a real schedule:
 * The N axis is split into chunks that run on the thread pool.
 
 The KV cache's attention and RoPE kernels are replaced by ours (`cpu_attention`,
-`cpu_rope`); other injective kernels get their last axis vectorised and their outer axes
-parallelised.
+`cpu_rope`); row norms (a sum over the last axis, then an elementwise pass) get vector
+partial sums (`cpu_norm`); other injective kernels get their last axis vectorised and their
+outer axes parallelised.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
+from .cpu_norm import schedule_row_reduction
 from .cpu_tiled import _static, schedule_tiled_matmul
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,10 @@ def _schedule_elementwise(sch: s_tir.Schedule, infos, target) -> bool:
     return True
 
 
+def _schedule_row_norm(sch: s_tir.Schedule, infos, target) -> bool:
+    return schedule_row_reduction(sch, infos, _vector_lanes(target, "float32"))
+
+
 def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     sch = s_tir.Schedule(func)
     try:
@@ -124,7 +130,7 @@ def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
         infos = try_inline_contiguous_spatial(sch, infos)
         if infos is None:
             return None
-        for rule in (_schedule_matmul, _schedule_elementwise):
+        for rule in (_schedule_row_norm, _schedule_matmul, _schedule_elementwise):
             trial = sch.copy()
             if rule(trial, infos, target):
                 return trial.mod["main"]

@@ -139,9 +139,13 @@ def tile_macro(qtype: str, groups: int):
         """This group's contribution to the 16 columns of sequence `row`."""
         total = None
         for h in range(halves):
-            dots = tirx.Broadcast(tirx.const(0, "int32"), COLS)
+            # two accumulators, even and odd steps: half the chain of dependent vpdpbusd
+            chains = [tirx.Broadcast(tirx.const(0, "int32"), COLS) for _ in range(2)]
             for s in range(h * per_scale, (h + 1) * per_scale):
-                dots = _vpdpbusd(dots, ct.vload([s * COLS], "int32x16"), broadcast(xq, row, g, s))
+                chains[s % 2] = _vpdpbusd(
+                    chains[s % 2], ct.vload([s * COLS], "int32x16"), broadcast(xq, row, g, s)
+                )
+            dots = chains[0] + chains[1]
             scale = sc.vload([h * COLS], "float32x16") * tirx.Broadcast(steps[row, g], COLS)
             offset = sc.vload([(2 + h) * COLS], "float32x16")
             term = tirx.Cast("float32x16", dots) * scale + offset * tirx.Broadcast(

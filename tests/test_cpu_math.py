@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
+from tvm.relax.frontend import nn
 
 from tallow.compiler.fast_silu_pass import fast_silu
 from tallow.compiler.target import resolve_target
@@ -90,3 +91,36 @@ def test_fast_silu_leaves_other_dtypes():
         out = bb.emit(relax.op.nn.silu(x))
         bb.emit_func_output(out)
     assert "R.nn.silu" in fast_silu()(bb.get()).script()
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        self.norm = nn.RMSNorm(dim, -1, 1e-5, bias=False)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_rms_norm_is_vectorised_and_matches_numpy():
+    """The row-norm schedule (`schedules/cpu_norm.py`): a hidden-state norm ([b, 1, 576])
+    and a per-head one ([b, s, heads, 128], as Qwen3's q/k norms)."""
+    rng = np.random.default_rng(3)
+    for shape, spec in (
+        ((16, 1, 576), ["b", 1, 576]),
+        ((2, 3, 4, 128), ["b", "s", 4, 128]),
+    ):
+        module = _Norm(shape[-1])
+        mod, params = module.export_tvm({"forward": {"x": nn.spec.Tensor(spec, "float32")}})
+        lowered = _lower(mod)
+        (kernel,) = [f for _, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)]
+        text = kernel.script()
+        assert "T.vectorized" in text and "_rf" in text  # vector partial sums of the squares
+        vm = relax.VirtualMachine(tvm.compile(lowered, TARGET), tvm.cpu())
+        weight = rng.standard_normal(shape[-1]).astype(np.float32)
+        for rows in (1, shape[0]):
+            x = (rng.standard_normal((rows, *shape[1:])) * 3).astype(np.float32)
+            x[0, ..., :7] = [0.0, 1e-3, -50.0, 50.0, 0.0, 1.0, -1.0]
+            got = vm["forward"](tvm.runtime.tensor(x), tvm.runtime.tensor(weight)).numpy()
+            xd = x.astype(np.float64)
+            ref = xd / np.sqrt((xd**2).mean(axis=-1, keepdims=True) + 1e-5) * weight
+            assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()

@@ -11,7 +11,7 @@ from tallow.compiler.pipeline import CompileOptions, compile_model
 from tallow.compiler.quant import QUANT_TYPES, quantize
 from tallow.runtime.cli_generate import encode_prompt
 from tallow.runtime.generate import generate_tokens
-from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner, all_position_logits
 from tallow.runtime.sampling_params import SamplingParams
 
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
@@ -107,7 +107,13 @@ SMOL_PROMPTS = [
 
 def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
     """The GGUF's own Q4_1/Q8_0 blocks, decoded in the fused kernels, against the same file
-    dequantized to f32 at compile time: the same weights, so the same greedy tokens."""
+    dequantized to f32 at compile time: the same weights, so the same logits at every
+    position of a prompt and its continuation (prefill: float activations in both).
+
+    The continuation is the native artifact's greedy decode, whose matmuls round the
+    activations to int8 (the f32 artifact's keep them float): each of its tokens must be
+    the f32 model's choice, or within a near-tie of it (an int8 rounding moves a logit by
+    about 0.1; seen: one step of 48 with a 0.14 gap)."""
     native = compile_model(
         CompileOptions(model=str(smollm2_gguf), output=tmp_path_factory.mktemp("n"), quiet=True)
     )
@@ -125,10 +131,18 @@ def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa
     assert weights < 100 * 2**20  # 135M weights at ~4.5 bits, not 540 MB of f32
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runners = [TVMModelRunner(a, kv=KVCacheConfig(1, 1024, 256)) for a in (native, f32)]
+    exact = 0
     for prompt, chat in SMOL_PROMPTS:
         ids = encode_prompt(runners[0], prompt, chat, None)
-        a, b = (list(generate_tokens(r, ids, params)) for r in runners)
-        assert a == b, prompt
+        tokens = list(generate_tokens(runners[0], ids, params))
+        seq = list(ids) + tokens
+        got, want = (all_position_logits(r, seq) for r in runners)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), prompt
+        steps = want[len(ids) - 1 : len(seq) - 1]
+        gaps = steps.max(axis=1) - steps[np.arange(len(tokens)), tokens]
+        assert gaps.max() <= 0.5, (prompt, gaps)
+        exact += int((gaps == 0).sum())
+    assert exact >= 44  # of 48: near-ties are rare
 
 
 def test_smollm2_q8_0_perplexity_within_1_percent_of_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
