@@ -84,11 +84,33 @@ def _build(func, target):
 )
 def test_decode_matches_numpy(target, h_kv, h_q, d, page, lanes):
     """Lengths around tile (8) and page boundaries, an empty sequence, a long one; with
-    8-lane vectors (AVX2) and, where the CPU has AVX-512, 16-lane ones."""
+    8-lane vectors (AVX2) and, where the CPU has AVX-512, 16-lane ones. Enough work items
+    (KV heads x sequences) that each sequence runs whole."""
+    _check_decode(target, h_kv, h_q, d, page, lanes, [1, 8, 16, 17, 0, 23, 70])
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize(
+    ("h_kv", "h_q", "d", "page", "lengths"),
+    [
+        (3, 9, 64, 16, [70]),
+        (3, 9, 64, 16, [300]),
+        (1, 4, 256, 16, [0, 129, 5]),
+        (2, 2, 32, 12, [33, 0]),
+    ],
+    ids=["smollm2-70", "smollm2-300", "gemma3-270m", "mha-page12"],
+)
+def test_decode_splits_few_sequences(target, h_kv, h_q, d, page, lengths, lanes):
+    """Fewer work items than `MIN_ITEMS` (one SmolLM2 sequence: 3 KV heads): each
+    sequence's pages in `SPLITS` parts, then merged by their log2-sum-exp (some parts empty:
+    a 5-token sequence has one page); an empty sequence still gives zeros and lse -5e4."""
+    _check_decode(target, h_kv, h_q, d, page, lanes, lengths)
+
+
+def _check_decode(target, h_kv, h_q, d, page, lanes, lengths):
     if lanes > vector_lanes(target, d):
         pytest.skip("this CPU has no AVX-512")
     rng = np.random.default_rng(0)
-    lengths = [1, 8, 16, 17, 0, 23, 70]
     pool, indptr, values, last, rows = _paged(rng, lengths, h_kv, d, page)
     q = rng.standard_normal((len(lengths), h_q, d)).astype("float32")
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
