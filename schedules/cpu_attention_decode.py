@@ -345,38 +345,22 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
         lse = T.match_buffer(lse_handle, (B, h_q), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=T.int32())
 
-        # a few sequences (fewer work items than threads, or uneven): each sequence's
-        # pages split into `SPLITS` parts, merged after through their log2-sum-exp
-        part_out = T.sblock_alloc_buffer((B * h_q * SPLITS, d), "float32")
-        part_lse = T.sblock_alloc_buffer((B * h_q * SPLITS,), "float32")
         if h_kv * B >= MIN_ITEMS:
             whole_items(
-                Q,
-                pages,
-                indptr,
-                values,
-                last_page_len,
-                output,
-                lse,
-                part_out,
-                part_lse,
-                B,
-                sm_scale,
+                Q, pages, indptr, values, last_page_len, output, lse, None, None, B, sm_scale
             )
         else:
-            split_items(
-                Q,
-                pages,
-                indptr,
-                values,
-                last_page_len,
-                output,
-                lse,
-                part_out,
-                part_lse,
-                B,
-                sm_scale,
-            )
-            merge(output, lse, part_out, part_lse, B)
+            with T.sblock("split"):
+                # a few sequences: each one's pages in `SPLITS` parts, merged after through
+                # their log2-sum-exp (the buffers only here: the common case allocates none)
+                T.reads()
+                T.writes()
+                part_out = T.sblock_alloc_buffer((B * h_q * SPLITS, d), "float32")
+                part_lse = T.sblock_alloc_buffer((B * h_q * SPLITS,), "float32")
+                split_items(
+                    Q, pages, indptr, values, last_page_len, output, lse, part_out, part_lse, B,
+                    sm_scale,
+                )  # fmt: skip
+                merge(output, lse, part_out, part_lse, B)
 
     return decode

@@ -46,6 +46,9 @@ from .cpu_int8_ops import (
 
 TILE_ROWS = 8  # sequences per tile: 8 accumulators, the codes, the scales: 16 ymm registers
 TAIL_ROWS = 4  # the batch's remainder, in tiles of this many
+# output columns per column tile (Python constants: a name bound inside a macro became a
+# 4-byte buffer from TVM's workspace allocator)
+COLUMN_COLS, VNNI_COLS = columns.COLS, vnni_columns.COLS
 
 
 def batched_kernel(
@@ -82,6 +85,8 @@ def batched_kernel(
     min_columns = columns.MIN_ROWS.get(qtype, 0)
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
     vnni_tile = vnni_columns.tile_macro(qtype, groups) if vnni else None
+    # each group's multiplier times the row's step, as floats: only the VNNI tiles read them
+    steps_shape = (padded, groups) if vnni else (1, 1)
 
     @T.macro
     def row_tiles(w, xq, xm, xr, xs, out):
@@ -102,28 +107,37 @@ def batched_kernel(
 
     @T.macro
     def column_tiles(w, xq, xm, xr, xs, out):
-        cols = columns.COLS
-        for nb in T.parallel(n_out // cols):
+        for nb in T.parallel(n_out // COLUMN_COLS):
             for rt in range((B + columns.ROWS - 1) // columns.ROWS):
                 with T.sblock("dot_columns"):
                     T.reads(
-                        w[nb * cols : nb * cols + cols, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :]
+                        w[nb * COLUMN_COLS : nb * COLUMN_COLS + COLUMN_COLS, 0:rb],
+                        xq[:, :],
+                        xm[:, :],
+                        xr[:],
+                        xs[:, :],
                     )
-                    T.writes(out[:, 0, nb * cols : nb * cols + cols])
+                    T.writes(out[:, 0, nb * COLUMN_COLS : nb * COLUMN_COLS + COLUMN_COLS])
                     r0: T.let[T.int64] = rt * columns.ROWS
-                    column_tile(w, nb * cols, r0, T.min(B - r0, columns.ROWS), xq, xm, xr, xs, out)
+                    column_tile(
+                        w, nb * COLUMN_COLS, r0, T.min(B - r0, columns.ROWS), xq, xm, xr, xs, out
+                    )
 
     @T.macro
     def vnni_tiles(w, xq, steps, xs, out):
-        cols = vnni_columns.COLS
-        for nb in T.parallel(n_out // cols):
+        for nb in T.parallel(n_out // VNNI_COLS):
             for rt in range((B + vnni_columns.ROWS - 1) // vnni_columns.ROWS):
                 with T.sblock("dot_vnni"):
-                    T.reads(w[nb * cols : nb * cols + cols, 0:rb], xq[:, :], steps[:, :], xs[:, :])
-                    T.writes(out[:, 0, nb * cols : nb * cols + cols])
+                    T.reads(
+                        w[nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS, 0:rb],
+                        xq[:, :],
+                        steps[:, :],
+                        xs[:, :],
+                    )
+                    T.writes(out[:, 0, nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS])
                     r0: T.let[T.int64] = rt * vnni_columns.ROWS
                     rows: T.let[T.int64] = T.min(B - r0, vnni_columns.ROWS)
-                    vnni_tile(w, nb * cols, r0, rows, xq, steps, xs, out)
+                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, out)
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
@@ -134,11 +148,13 @@ def batched_kernel(
         xm = T.sblock_alloc_buffer((padded, groups * MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((padded,), "float32")
         xs = T.sblock_alloc_buffer((groups * halves, padded), "float32")
-        steps = T.sblock_alloc_buffer((padded, groups), "float32")  # m * unit, for vnni
+        steps = T.sblock_alloc_buffer(steps_shape, "float32")
         for r in T.parallel(B):
             with T.sblock("quantize"):
                 T.reads(x[r, 0, 0:k])
-                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r], steps[r, :])
+                T.writes(
+                    xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r], steps[r * vnni, :]
+                )
                 quantize(x, r, xq, xm, xr, xs)
                 if vnni:
                     for g in range(groups):

@@ -150,17 +150,53 @@ def nibble_steps(w, n0, g, block_bytes: int, start: int):
     return [v & mask for v in words] + [(v >> shift) & mask for v in words]
 
 
-def nibble_scales(w, n0, g, block_bytes: int, qtype: str):
-    """(scales, offsets) of 8 columns' group `g`, float32x8, from one word per column."""
+# The legacy formats keep a group's f16 scale (and, for q4_1 / q5_1, the f16 min after it)
+# at the start of the block; the others' offset is the scale times this code shift.
+LEGACY_SHIFT = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0, "q4_1": None, "q5_1": None}
+
+
+def legacy_scales(w, n0, g, qtype: str, cols: int):
+    """(scales, offsets) of rows `n0..n0+cols-1`'s group `g`, float32 x `cols`, for the
+    legacy block formats: one 32-bit word per row holds the f16 scale and what follows it
+    (the min, or a code)."""
+    block_bytes = BLOCK[qtype][1]
     words = [
         tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes], "uint8x4"))
-        for c in range(COLS)
+        for c in range(cols)
     ]
-    halves = tirx.reinterpret("float16x16", tirx.Shuffle(words, [_c(i) for i in range(COLS)]))
-    d = tirx.Cast("float32x8", tirx.Shuffle([halves], [_c(2 * i) for i in range(COLS)]))
-    if qtype == "q4_1":  # d, then the min
-        return d, tirx.Cast("float32x8", tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(8)]))
-    return d, d * tirx.Broadcast(tirx.const(-8.0, "float32"), COLS)  # q4_0: d * (code - 8)
+    halves = tirx.reinterpret(
+        f"float16x{2 * cols}", tirx.Shuffle(words, [_c(i) for i in range(cols)])
+    )
+    d = tirx.Cast(f"float32x{cols}", tirx.Shuffle([halves], [_c(2 * i) for i in range(cols)]))
+    shift = LEGACY_SHIFT[qtype]
+    if shift is None:  # d, then the min
+        mins = tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(cols)])
+        return d, tirx.Cast(f"float32x{cols}", mins)
+    return d, d * tirx.Broadcast(tirx.const(shift, "float32"), cols)
+
+
+def scales_macro(qtype: str, cols: int):
+    """A macro storing group `g`'s scales and offsets for rows `n0..n0+cols-1` into `sc`:
+    [scales lo | scales hi | offsets lo | offsets hi], `cols` each (the hi ones only for the
+    formats whose halves differ). Legacy formats read them as vectors; the K-quants decode
+    each row's."""
+    halves = offset_halves(qtype)
+
+    @T.macro
+    def store(sc, w, n0, g):
+        if qtype in LEGACY_SHIFT:
+            sv = T.meta_var(legacy_scales(w, n0, g, qtype, cols))
+            sc[T.Ramp(0, 1, cols)] = sv[0]
+            sc[T.Ramp(2 * cols, 1, cols)] = sv[1]
+        else:
+            for c in T.unroll(cols):
+                sc[c] = group(w, qtype, n0 + c, g).scale_lo
+                sc[2 * cols + c] = group(w, qtype, n0 + c, g).offset_lo
+                if halves == 2:
+                    sc[cols + c] = group(w, qtype, n0 + c, g).scale_hi
+                    sc[3 * cols + c] = group(w, qtype, n0 + c, g).offset_hi
+
+    return store
 
 
 def _pmaddubsw(codes, x):
@@ -184,6 +220,7 @@ def tile_macro(qtype: str, groups: int):
 
     block_weights, block_bytes = BLOCK[qtype]
     nibbles = qtype in NIBBLE_CODES
+    store_scales = scales_macro(qtype, COLS)
 
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
@@ -263,17 +300,7 @@ def tile_macro(qtype: str, groups: int):
             ct[T.Ramp(40, 1, 8)] = tr[5]
             ct[T.Ramp(48, 1, 8)] = tr[6]
             ct[T.Ramp(56, 1, 8)] = tr[7]
-            if nibbles:
-                sv = T.meta_var(nibble_scales(w, n0, g, block_bytes, qtype))
-                sc[T.Ramp(0, 1, COLS)] = sv[0]
-                sc[T.Ramp(2 * COLS, 1, COLS)] = sv[1]
-            else:
-                for c in T.unroll(COLS):
-                    sc[c] = group(w, qtype, n0 + c, g).scale_lo
-                    sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
-                    if halves == 2:
-                        sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
-                        sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
+            store_scales(sc, w, n0, g)
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
                 acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd[0]

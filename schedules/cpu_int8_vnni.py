@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from tallow.model_defs.quant_ops import BLOCK
 
 from .cpu_int8_codes import LANES, SIGNED, group
-from .cpu_int8_columns import NIBBLE_CODES, nibble_steps, transpose
+from .cpu_int8_columns import NIBBLE_CODES, nibble_steps, scales_macro, transpose
 from .cpu_int8_ops import offset_halves
 from .tir_vectors import prefetch
 
@@ -40,10 +40,6 @@ HALF = 8  # columns per 256-bit transpose
 STEPS = LANES // 4  # 4-weight steps per group
 ROWS = 16  # sequences per tile: the transposed codes are reused this many times
 FEATURES = ("avx512f", "avx512bw", "avx512vnni")
-
-# The legacy formats keep a group's f16 scale (and, for q4_1 / q5_1, the f16 min after it)
-# at the start of the block; the others' offset is the scale times this code shift.
-LEGACY_SHIFT = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0, "q4_1": None, "q5_1": None}
 
 
 def supported(target) -> bool:
@@ -96,23 +92,6 @@ def step_vectors(w, n0, g, qtype: str):
     return steps
 
 
-def legacy_scales(w, n0, g, qtype: str):
-    """(scales, offsets) of 16 rows' group `g`, float32x16, for the legacy block formats:
-    one 32-bit word per row holds the f16 scale and what follows it (the min, or a code)."""
-    block_bytes = BLOCK[qtype][1]
-    words = [
-        tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes], "uint8x4"))
-        for c in range(COLS)
-    ]
-    halves = tirx.reinterpret("float16x32", tirx.Shuffle(words, [_c(i) for i in range(COLS)]))
-    d = tirx.Cast("float32x16", tirx.Shuffle([halves], [_c(2 * i) for i in range(COLS)]))
-    shift = LEGACY_SHIFT[qtype]
-    if shift is None:  # d, then the min
-        mins = tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(COLS)])
-        return d, tirx.Cast("float32x16", mins)
-    return d, d * tirx.Broadcast(tirx.const(shift, "float32"), COLS)
-
-
 def tile_macro(qtype: str, groups: int):
     """A macro: columns `n0..n0+15` for `rows` (<= ROWS) sequences from `r0`, the whole K.
 
@@ -123,7 +102,7 @@ def tile_macro(qtype: str, groups: int):
     halves = offset_halves(qtype)
     per_scale = STEPS // halves  # steps under one weight scale
     block_weights, block_bytes = BLOCK[qtype]
-    legacy = qtype in LEGACY_SHIFT
+    store_scales = scales_macro(qtype, COLS)
 
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
@@ -156,12 +135,16 @@ def tile_macro(qtype: str, groups: int):
 
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, out):
-        # stack arrays (not "local", see cpu_int8_ops.quantize_macro)
-        acc = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
+        # stack arrays (not "local", see cpu_int8_ops.quantize_macro). The sums are two
+        # arrays of 8 sequences: one of 16 x 16 floats is 1 KiB, where TVM stops using the
+        # stack and calls its workspace allocator, once per tile
+        acc = T.sblock_alloc_buffer((HALF * COLS,), "float32")
+        acc_hi = T.sblock_alloc_buffer((HALF * COLS,), "float32")
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
-        for i in T.unroll(ROWS):
+        for i in T.unroll(HALF):
             acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+            acc_hi[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for g in range(groups):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
@@ -174,21 +157,16 @@ def tile_macro(qtype: str, groups: int):
             ct[T.Ramp(80, 1, 16)] = tr[5]
             ct[T.Ramp(96, 1, 16)] = tr[6]
             ct[T.Ramp(112, 1, 16)] = tr[7]
-            if legacy:
-                sv = T.meta_var(legacy_scales(w, n0, g, qtype))
-                sc[T.Ramp(0, 1, COLS)] = sv[0]
-                sc[T.Ramp(2 * COLS, 1, COLS)] = sv[1]
-            else:
-                for c in T.unroll(COLS):
-                    sc[c] = group(w, qtype, n0 + c, g).scale_lo
-                    sc[2 * COLS + c] = group(w, qtype, n0 + c, g).offset_lo
-                    if halves == 2:
-                        sc[COLS + c] = group(w, qtype, n0 + c, g).scale_hi
-                        sc[3 * COLS + c] = group(w, qtype, n0 + c, g).offset_hi
-            for r in range(rows):
+            store_scales(sc, w, n0, g)
+            for r in range(T.min(rows, HALF)):
                 upd = T.meta_var(update(ct, sc, xq, steps, xs, r0 + r, g))
                 acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd
-        for r in range(rows):
+            for r in range(rows - HALF):
+                upd_hi = T.meta_var(update(ct, sc, xq, steps, xs, r0 + HALF + r, g))
+                acc_hi[T.Ramp(r * COLS, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)] + upd_hi
+        for r in range(T.min(rows, HALF)):
             out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)]
+        for r in range(rows - HALF):
+            out[r0 + HALF + r, 0, T.Ramp(n0, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)]
 
     return tile
