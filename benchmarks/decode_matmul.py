@@ -28,7 +28,8 @@ from tvm.relax.frontend import nn
 from tallow.compiler.quant import quantize
 from tallow.compiler.target import resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
-from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni, cpu_quant
+from tallow.schedules.cpu import int8_gemv, int8_vnni
+from tallow.schedules.cpu import quant as cpu_quant
 
 
 class _Projection(nn.Module):
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="weights read from memory each call")
     args = ap.parse_args()
     target = resolve_target("cpu", "f32").tvm()
-    if not cpu_int8_gemv.supported(target):
+    if not int8_gemv.supported(target):
         raise SystemExit("this CPU has no AVX2: the int8 kernels do not apply")
     rng = np.random.default_rng(0)
     blocks = quantize(rng.standard_normal((args.n, args.k)).astype(np.float32), args.qtype)
@@ -79,13 +80,13 @@ def main() -> None:
     mod, _ = _Projection(args.k, args.n, args.qtype).export_tvm(spec)
     (func,) = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     tiled = _build(cpu_quant.schedule_func(func, target), target)
-    vnni = cpu_int8_vnni.supported(target)
-    batched = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, vnni=vnni), target)
-    avx2 = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None), target)
+    vnni = int8_vnni.supported(target)
+    batched = _build(int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, vnni=vnni), target)
+    avx2 = _build(int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None), target)
     row_tiles = _build(
-        cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, column_tiles=False), target
+        int8_gemv.gemv_kernel(args.qtype, args.n, args.k, None, column_tiles=False), target
     )
-    row = _build(cpu_int8_gemv.gemv_kernel(args.qtype, args.n, args.k, 1), target)
+    row = _build(int8_gemv.gemv_kernel(args.qtype, args.n, args.k, 1), target)
     copies = max(1, int(64e6 // blocks.nbytes)) if args.cold else 1
     weights = [tvm.runtime.tensor(blocks) for _ in range(copies)]
     repeat = max(1, args.repeat // copies)

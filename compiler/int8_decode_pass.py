@@ -30,8 +30,8 @@ ACTIVATIONS = "int8_g32_row_step"
 def int8_kernel_for(func, vnni: bool = False):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
-    from tallow.schedules import cpu_int8_gemv
-    from tallow.schedules.cpu_tiled import _static
+    from tallow.schedules.cpu import int8_gemv
+    from tallow.schedules.cpu.tiled import _static
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
         return None
@@ -41,10 +41,10 @@ def int8_kernel_for(func, vnni: bool = False):
     if str(x.dtype) != "float32" or str(out.dtype) != "float32":
         return None
     k, n = _static(x.shape[2]), _static(w.shape[0])
-    if k is None or n is None or k % cpu_int8_gemv.LANES or n % cpu_int8_gemv.N_CHUNK:
+    if k is None or n is None or k % int8_gemv.LANES or n % int8_gemv.N_CHUNK:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
-    return cpu_int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]), vnni=vnni)
+    return int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]), vnni=vnni)
 
 
 def int8_decode_kernels(details: dict, vnni: bool = False):

@@ -33,7 +33,8 @@ def _passes(spec: TargetSpec, target):
     from tvm import relax
     from tvm.relax import transform as T
 
-    from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni, schedule_pass_for
+    from tallow.schedules import schedule_pass_for
+    from tallow.schedules.cpu import int8_gemv, int8_vnni
 
     from .fast_silu_pass import fast_silu
     from .int8_decode_pass import int8_decode_kernels
@@ -44,8 +45,8 @@ def _passes(spec: TargetSpec, target):
     noalias = [mark_noalias()] if spec.kind == "cpu" else []
     silu = [fast_silu()] if spec.kind == "cpu" else []
     int8_decode = (
-        [int8_decode_kernels(spec.details, vnni=cpu_int8_vnni.supported(target))]
-        if cpu_int8_gemv.supported(target)
+        [int8_decode_kernels(spec.details, vnni=int8_vnni.supported(target))]
+        if int8_gemv.supported(target)
         else []
     )
     return [

@@ -21,7 +21,8 @@ def add_sampler_function(mod, vocab_size: int, kind: str):
     """`mod` with `sample_tokens` added for a `kind` ("cpu", "cuda", "metal") target."""
     from tvm import relax, tirx
 
-    from tallow.schedules import cpu_sampling, gpu_sampling
+    from tallow.schedules.cpu import sampling as cpu_sampling
+    from tallow.schedules.gpu import sampling as gpu_sampling
 
     kernels = cpu_sampling if kind == "cpu" else gpu_sampling
     kernel = kernels.sample_kernel(vocab_size, vocab_size)

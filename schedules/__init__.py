@@ -12,12 +12,12 @@ def schedule_pass_for(spec, target):
     import tvm
 
     if spec.kind == "cpu":
-        from . import cpu
+        from .cpu import rules as cpu
 
         def schedule(mod):
             return cpu.schedule_module(mod, target)
     else:
-        from . import gpu
+        from .gpu import rules as gpu
 
         def schedule(mod):
             return gpu.schedule_module(mod, target, spec.details.setdefault("schedules", {}))

@@ -18,7 +18,8 @@ from tallow.runtime.sampling_params import SamplingParams
 
 tvm = pytest.importorskip("tvm")
 
-from tallow.schedules import cpu_sampling, gpu_sampling  # noqa: E402
+from tallow.schedules.cpu import sampling as cpu_sampling  # noqa: E402
+from tallow.schedules.gpu import sampling as gpu_sampling  # noqa: E402
 
 
 def _build(vocab: int):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tvm
 
-from tallow.schedules import cpu_attention as ca
-from tallow.schedules.cpu_attention_decode import decode_kernel, vector_lanes
+from tallow.schedules.cpu import attention as ca
+from tallow.schedules.cpu.attention_decode import decode_kernel, vector_lanes
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
 SM = D**-0.5

@@ -11,7 +11,7 @@ from tvm.relax.frontend import nn
 from tallow.compiler.fast_silu_pass import fast_silu
 from tallow.compiler.target import resolve_target
 from tallow.schedules import tir_math
-from tallow.schedules.cpu import schedule_module
+from tallow.schedules.cpu.rules import schedule_module
 
 TARGET = resolve_target("cpu", "f32").tvm()
 

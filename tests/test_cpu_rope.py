@@ -13,7 +13,7 @@ import tvm
 from tvm.relax.frontend.nn.llm.position_embedding import llama_rope_with_position_map
 
 from tallow.compiler.target import resolve_target
-from tallow.schedules import cpu_rope
+from tallow.schedules.cpu import rope as cpu_rope
 
 TARGET = resolve_target("cpu", "f32").tvm()
 

@@ -1,4 +1,4 @@
-"""Int8-activation decode kernels (schedules/cpu_int8_gemv.py and cpu_int8_batched.py,
+"""Int8-activation decode kernels (schedules/int8_gemv.py and cpu_int8_batched.py,
 compiler/int8_decode_pass.py).
 
 The oracle is numpy on what the kernel claims to compute: the weights decoded by
@@ -20,13 +20,13 @@ from tallow.compiler.int8_decode_pass import int8_decode_kernels
 from tallow.compiler.quant import QUANT_TYPES, quantize
 from tallow.compiler.target import resolve_target
 from tallow.model_defs.quant_ops import BLOCK, QuantLinear
-from tallow.schedules import cpu_int8_gemv, cpu_int8_vnni
+from tallow.schedules.cpu import int8_gemv, int8_vnni
 
 TARGET = resolve_target("cpu", "f32").tvm()
-HAS_VNNI = cpu_int8_vnni.supported(TARGET)
+HAS_VNNI = int8_vnni.supported(TARGET)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
 
-pytestmark = pytest.mark.skipif(not cpu_int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
+pytestmark = pytest.mark.skipif(not int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
 
 
 def _weights(qtype: str, n: int, k: int, seed: int):
@@ -124,7 +124,7 @@ def test_gemv_matches_numpy(qtype):
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     x = _activations(1, k, seed=2)
-    _check(_run(cpu_int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
 
 
 @pytest.mark.parametrize("qtype", list(BLOCK))
@@ -137,7 +137,7 @@ def test_batched_matches_numpy(qtype):
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
-    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None))
     for batch in (1, 4, 5, 8, 13, 19):
         x = _activations(batch, k, seed=2 + batch)
         _check(kernel(x, blocks, n), x, deq)
@@ -152,7 +152,7 @@ def test_vnni_tiles_match_numpy(qtype):
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=21)
-    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
     for batch in (1, 4, 13, 16, 19, 33):
         x = _activations(batch, k, seed=22 + batch)
         _check(kernel(x, blocks, n), x, deq)
@@ -165,7 +165,7 @@ def test_row_tiles_without_column_tiles(qtype):
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=5)
-    kernel = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, column_tiles=False))
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, column_tiles=False))
     for batch in (8, 13):
         x = _activations(batch, k, seed=6 + batch)
         _check(kernel(x, blocks, n), x, deq)
@@ -188,9 +188,9 @@ def test_batched_at_extreme_codes(qtype):
     w[12:, 5::32] = 0.0
     blocks = quantize(w, qtype)
     deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
-    kernels = {"avx2": _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None))}
+    kernels = {"avx2": _build(int8_gemv.gemv_kernel(qtype, n, k, None))}
     if HAS_VNNI:
-        kernels["vnni"] = _build(cpu_int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+        kernels["vnni"] = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
     for name, kernel in kernels.items():
         for batch in (5, 16):
             x = np.stack([patterns[i % 4] * (1 - 2 * (i // 4 % 2)) for i in range(batch)])
@@ -205,28 +205,28 @@ def test_batched_static_size():
     k, n, qtype = 64, 32, "q4_1"
     blocks, deq = _weights(qtype, n, k, seed=3)
     x = _activations(6, k, seed=4)
-    _check(_run(cpu_int8_gemv.gemv_kernel(qtype, n, k, 6), x, blocks, n), x, deq)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 6), x, blocks, n), x, deq)
 
 
 def test_shapes_it_cannot_tile_are_refused():
     with pytest.raises(ValueError, match="k % 32"):
-        cpu_int8_gemv.gemv_kernel("q4_0", 48, 40, 1)
+        int8_gemv.gemv_kernel("q4_0", 48, 40, 1)
     with pytest.raises(ValueError, match="n % 16"):
-        cpu_int8_gemv.gemv_kernel("q4_0", 40, 64, 1)
+        int8_gemv.gemv_kernel("q4_0", 40, 64, 1)
 
 
 def test_supported_targets():
-    assert cpu_int8_gemv.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
-    assert not cpu_int8_gemv.supported(Target({"kind": "llvm", "mcpu": "sandybridge"}))
-    assert not cpu_int8_gemv.supported(
+    assert int8_gemv.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
+    assert not int8_gemv.supported(Target({"kind": "llvm", "mcpu": "sandybridge"}))
+    assert not int8_gemv.supported(
         Target({"kind": "llvm", "mtriple": "arm64-apple-macos", "mcpu": "apple-m1"})
     )
-    assert not cpu_int8_gemv.supported(None)
-    assert cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver4"}))
-    assert cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "sapphirerapids"}))
-    assert not cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver3"}))
-    assert not cpu_int8_vnni.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
-    assert not cpu_int8_vnni.supported(None)
+    assert not int8_gemv.supported(None)
+    assert int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver4"}))
+    assert int8_vnni.supported(Target({"kind": "llvm", "mcpu": "sapphirerapids"}))
+    assert not int8_vnni.supported(Target({"kind": "llvm", "mcpu": "znver3"}))
+    assert not int8_vnni.supported(Target({"kind": "llvm", "mcpu": "haswell"}))
+    assert not int8_vnni.supported(None)
 
 
 class _Projections(nn.Module):

@@ -27,7 +27,7 @@ from tallow.model_defs.quant_ops import (
     dequantize_te,
     row_bytes,
 )
-from tallow.schedules import cpu_quant
+from tallow.schedules.cpu import quant as cpu_quant
 
 TYPES = list(BLOCK)
 TARGET = Target({"kind": "llvm"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from .cpu_tiled import _static
+from .tiled import _static
 
 
 def schedule_row_reduction(sch: s_tir.Schedule, infos, lanes: int) -> bool:

@@ -27,8 +27,8 @@ import logging
 import tvm
 from tvm import s_tir, tirx
 
-from .cpu import _static, _vector_lanes
-from .cpu_tiled import schedule_tiled_matmul, tile_for
+from .rules import _static, _vector_lanes
+from .tiled import schedule_tiled_matmul, tile_for
 
 log = logging.getLogger(__name__)
 

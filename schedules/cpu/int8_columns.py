@@ -38,9 +38,9 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK
 
-from .cpu_int8_codes import LANES, group
-from .cpu_int8_ops import M_MAX, MULT_LANES, offset_halves
-from .tir_vectors import prefetch
+from ..tir_vectors import prefetch
+from .int8_codes import LANES, group
+from .int8_ops import M_MAX, MULT_LANES, offset_halves
 
 COLS = 8  # output columns per vector (int32 / float32 lanes)
 STEPS = LANES // 4  # 4-weight steps per group

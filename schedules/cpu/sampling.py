@@ -29,8 +29,8 @@ from tvm.script import tirx as T
 
 from tallow.runtime.model_runner_protocol import CONTROL_COLUMNS
 
-from .tir_math import LOG2E, exp2
-from .tir_vectors import add, maximum, minimum, reduce_lanes
+from ..tir_math import LOG2E, exp2
+from ..tir_vectors import add, maximum, minimum, reduce_lanes
 
 # Lanes of each pass's accumulators: four AVX2 registers, so four independent add (or max)
 # chains hide the 3-cycle latency that one chain would wait on (2-3x on these passes).

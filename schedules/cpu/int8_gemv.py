@@ -30,8 +30,8 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK, row_bytes
 
-from .cpu_int8_codes import LANES, SIGNED, group
-from .cpu_int8_ops import (
+from .int8_codes import LANES, SIGNED, group
+from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
     code_type,
@@ -77,7 +77,7 @@ def gemv_kernel(
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     if batch != 1:
-        from .cpu_int8_batched import batched_kernel
+        from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
     return _row_kernel(qtype, n_out, k)

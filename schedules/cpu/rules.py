@@ -24,8 +24,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from .cpu_norm import schedule_row_reduction
-from .cpu_tiled import _static, schedule_tiled_matmul
+from .norm import schedule_row_reduction
+from .tiled import _static, schedule_tiled_matmul
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +142,11 @@ def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
 def schedule_module(mod: tvm.IRModule, target) -> tvm.IRModule:
     # Quantized matmuls first: the float rule below would also match them, but would decode
     # every weight inside the K loop instead of a block at a time.
-    from . import cpu_attention, cpu_quant, cpu_rope
+    from . import attention, quant, rope
 
-    mod = cpu_attention.replace_attention_kernels(mod, target)
-    mod = cpu_rope.replace_rope_kernel(mod)
-    mod = cpu_quant.schedule_module(mod, target)
+    mod = attention.replace_attention_kernels(mod, target)
+    mod = rope.replace_rope_kernel(mod)
+    mod = quant.schedule_module(mod, target)
     updated = {}
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs and "tirx.is_scheduled" in func.attrs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_sampling import (
+from ..cpu.sampling import (
     CONTROLS,
     FLOAT_MIN,
     KEY_NEG_INF,
@@ -30,8 +30,8 @@ from .cpu_sampling import (
     walk_macro,
     workspace_width,
 )
-from .tir_math import LOG2E
-from .tir_vectors import add, maximum, minimum
+from ..tir_math import LOG2E
+from ..tir_vectors import add, maximum, minimum
 
 THREADS = 256  # threads per row; workspace_width is a multiple of it
 LOG_THREADS = 8

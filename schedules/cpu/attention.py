@@ -25,9 +25,9 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .cpu_attention_decode import LANES, NEG, TILE, decode_kernel, vector_lanes
-from .tir_math import LOG2E, exp2
-from .tir_vectors import add, reduce_lanes
+from ..tir_math import LOG2E, exp2
+from ..tir_vectors import add, reduce_lanes
+from .attention_decode import LANES, NEG, TILE, decode_kernel, vector_lanes
 
 
 def _attend(paged: bool, d: int, page_size: int, dtype: str):

@@ -30,10 +30,10 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK
 
-from .cpu_int8_codes import LANES, SIGNED, group
-from .cpu_int8_columns import NIBBLE_CODES, nibble_steps, scales_macro, transpose
-from .cpu_int8_ops import offset_halves
-from .tir_vectors import prefetch
+from ..tir_vectors import prefetch
+from .int8_codes import LANES, SIGNED, group
+from .int8_columns import NIBBLE_CODES, nibble_steps, scales_macro, transpose
+from .int8_ops import offset_halves
 
 COLS = 16  # output columns per vector (int32 / float32 lanes of a 512-bit register)
 HALF = 8  # columns per 256-bit transpose

@@ -40,8 +40,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_int8_codes import LANES, SIGNED, SPLIT_HALVES
-from .tir_vectors import add, lanes, maximum, reduce_lanes
+from ..tir_vectors import add, lanes, maximum, reduce_lanes
+from .int8_codes import LANES, SIGNED, SPLIT_HALVES
 
 MULT_LANES = 16  # int16 lanes of xm per group: pmaddwd's second operand
 M_MAX = 32767  # the largest group's multiplier

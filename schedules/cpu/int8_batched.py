@@ -30,10 +30,10 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import row_bytes
 
-from . import cpu_int8_columns as columns
-from . import cpu_int8_vnni as vnni_columns
-from .cpu_int8_codes import LANES, SIGNED, group
-from .cpu_int8_ops import (
+from . import int8_columns as columns
+from . import int8_vnni as vnni_columns
+from .int8_codes import LANES, SIGNED, group
+from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
     code_type,
