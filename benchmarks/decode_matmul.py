@@ -4,12 +4,12 @@
 
 For one weight shape and format (random weights, quantized with `tallow.compiler.quant`),
 prints the best time of each kernel at several batch sizes: `int8` is what `batch_decode`
-runs on x86 CPUs (`schedules/cpu_int8_gemv.py` for one row, `cpu_int8_batched.py` for
+runs on x86 CPUs (`schedules/cpu/int8_gemv.py` for one row, `cpu/int8_batched.py` for
 more: one compiled kernel with a symbolic batch, which from a few sequences on takes column
-tiles: `cpu_int8_vnni.py`'s on CPUs with AVX-512 VNNI, else, for the formats that have
-them, `cpu_int8_columns.py`'s), `avx2 columns` (on AVX-512 VNNI CPUs only) the same kernel
+tiles: `cpu/int8_vnni.py`'s on CPUs with AVX-512 VNNI, else, for the formats that have
+them, `cpu/int8_columns.py`'s), `avx2 columns` (on AVX-512 VNNI CPUs only) the same kernel
 with the AVX2 column tiles, `int8 row tiles` with the column tiles off, `float tiled` the
-prefill schedule of `cpu_tiled.py` on the same rows, and `int8 row` the static one-row
+prefill schedule of `cpu/tiled.py` on the same rows, and `int8 row` the static one-row
 kernel of `decode`. `--cold` cycles through enough copies of the weights (64 MB) that every
 call reads them from memory, as a model's decode step does; without it they stay in cache.
 The error column is the int8 result's largest difference from the float one, relative to

@@ -1,11 +1,11 @@
-"""SiLU without libm on the CPU: `x * sigmoid(x)` with a polynomial exp (`tir_math`).
+"""SiLU without libm on the CPU: `x * sigmoid(x)` with a polynomial exp (`tir_common`).
 
 TVM legalizes `relax.nn.silu` to `x * sigmoid(x)`, and LLVM lowers `sigmoid` to a call of
 libm's `expf` per element, which it cannot vectorise: 4.6 ms of SmolLM2's 16-sequence
 decode step. This pass (CPU targets, before legalization) puts a TE computation of the same
-function in its place, written with `schedules.tir_math.sigmoid`, which LLVM vectorises.
+function in its place, written with `schedules.tir_common.sigmoid`, which LLVM vectorises.
 Relative error against the exact SiLU: below 6e-7 for |x| <= 10, at most 4e-6 beyond
-(`tir_math.sigmoid`; tests compare with numpy).
+(`tir_common.sigmoid`; tests compare with numpy).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def fast_silu():
     from tvm import relax, te
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    from tallow.schedules.tir_math import sigmoid
+    from tallow.schedules.tir_common import sigmoid
 
     def silu_te(x: te.Tensor) -> te.Tensor:
         return te.compute(x.shape, lambda *i: x(*i) * sigmoid(x(*i)), name="silu")

@@ -3,18 +3,18 @@
 The model emits every quantized linear layer as one fused dequantize-matmul PrimFunc, tagged
 with its weight format (`model_defs.quant_ops.QUANT_TYPE_ATTR`). In `decode` and
 `batch_decode` its input is `[batch, 1, K]`: one token per sequence. For those kernels this
-pass substitutes `schedules.cpu_int8_gemv`'s hand-written kernel, with the same parameters
+pass substitutes `schedules.cpu.int8_gemv`'s hand-written kernel, with the same parameters
 (x, w, out), before fusion: it is marked opaque, so fusion leaves it whole (an epilogue such
 as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token axis) keep
 float activations and the tiled schedule.
 
-On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu_int8_vnni`'s column tiles
+On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu.int8_vnni`'s column tiles
 (the same numbers, fewer instructions); the manifest names the tiles
 (`target.details.int8_decode_tiles`).
 
 This changes decode's numerics in the way llama.cpp's do: activations are rounded to int8
 per 32 before the product (Q8_0's rule, the scales kept as int16 multiples of a step per row:
-see `schedules.cpu_int8_ops`). The manifest records it (`target.details.decode_activations`).
+see `schedules.cpu.int8_ops`). The manifest records it (`target.details.decode_activations`).
 """
 
 from __future__ import annotations
@@ -31,25 +31,25 @@ def int8_kernel_for(func, vnni: bool = False):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules.cpu import int8_gemv
-    from tallow.schedules.cpu.tiled import _static
+    from tallow.schedules.tir_common import static_extent
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
         return None
     x, w, out = func.params  # TVM 0.27: parameters carry their buffer shape and dtype
-    if len(x.shape) != 3 or _static(x.shape[1]) != 1 or len(w.shape) != 2:
+    if len(x.shape) != 3 or static_extent(x.shape[1]) != 1 or len(w.shape) != 2:
         return None
     if str(x.dtype) != "float32" or str(out.dtype) != "float32":
         return None
-    k, n = _static(x.shape[2]), _static(w.shape[0])
+    k, n = static_extent(x.shape[2]), static_extent(w.shape[0])
     if k is None or n is None or k % int8_gemv.LANES or n % int8_gemv.N_CHUNK:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
-    return int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]), vnni=vnni)
+    return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
 
 
 def int8_decode_kernels(details: dict, vnni: bool = False):
     """The module pass; counts the kernels it replaced into `details`. `vnni`: the target
-    has AVX-512 VNNI (`schedules.cpu_int8_vnni.supported`)."""
+    has AVX-512 VNNI (`schedules.cpu.int8_vnni.supported`)."""
     import tvm
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8DecodeKernels")

@@ -3,7 +3,7 @@
 TVM 0.27's LLVM code generator lets one kernel without `tirx.noalias` in a module weaken the
 alias information of all the others: the KV cache's hand-written kernels and the VM's
 shape functions lack the attribute, and with them in the same library LLVM had to assume
-that the register tile of the tiled matmul (`schedules/cpu_tiled.py`) might alias its
+that the register tile of the tiled matmul (`schedules/cpu/tiled.py`) might alias its
 inputs. It then stored the 12 partial sums and reloaded the inputs on every step: the same
 kernel ran 2.7x slower in the model's library than built alone (40 ms vs 15 ms for a
 500-token gate/up projection of SmolLM2).

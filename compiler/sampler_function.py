@@ -6,7 +6,7 @@ with the controls of a row: temperature, top_k, top_p, min_p and its uniform dra
 
 The runtime calls it on the logits a forward left on the device, so only `n` token ids come
 back to the host (on a GPU, instead of n x vocab floats). The kernel is the target's
-(`schedules/cpu_sampling.py`, `schedules/gpu_sampling.py`), scheduled by hand; its two scratch
+(`schedules/cpu/sampling.py`, `schedules/gpu/sampling.py`), scheduled by hand; its two scratch
 outputs are planned like any other intermediate.
 """
 

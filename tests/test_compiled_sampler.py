@@ -1,4 +1,4 @@
-"""The compiled token sampler (`schedules/cpu_sampling.py`, `schedules/gpu_sampling.py`).
+"""The compiled token sampler (`schedules/cpu/sampling.py`, `schedules/gpu/sampling.py`).
 
 The oracle is the host sampler's numpy code (`keep_thresholds` and the inverse CDF behind
 `sample_controls`), and for the draw itself the distribution `warp_logits` describes; the

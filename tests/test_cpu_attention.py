@@ -1,4 +1,4 @@
-"""Our CPU attention kernels (tallow.schedules.cpu_attention) against numpy attention.
+"""Our CPU attention kernels (tallow.schedules.cpu.attention) against numpy attention.
 
 Each kernel runs on a paged or ragged batch of several sequences of different lengths
 (pages shuffled in the pool, GQA with 3 query heads per KV head), and its output and

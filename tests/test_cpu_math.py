@@ -1,5 +1,5 @@
-"""Vectorisable math on the CPU: `schedules/tir_math.py`, `compiler/fast_silu_pass.py`, and
-the elementwise schedule of `schedules/cpu.py`. The oracle is numpy in float64."""
+"""Vectorisable math on the CPU: `schedules/tir_common.py`, `compiler/fast_silu_pass.py`, and
+the elementwise schedule of `schedules/cpu/rules.py`. The oracle is numpy in float64."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tvm.relax.frontend import nn
 
 from tallow.compiler.fast_silu_pass import fast_silu
 from tallow.compiler.target import resolve_target
-from tallow.schedules import tir_math
+from tallow.schedules import tir_common
 from tallow.schedules.cpu.rules import schedule_module
 
 TARGET = resolve_target("cpu", "f32").tvm()
@@ -31,10 +31,10 @@ def test_exp2_and_sigmoid_match_numpy():
         [np.linspace(-30, 30, 4001), [-200.0, -126.0, -0.5, 0.0, 1e-8, 0.5, 126.0]]
     ).astype(np.float32)
     xd = x.astype(np.float64)
-    got = _elementwise(tir_math.exp2, np.minimum(x, 0))
+    got = _elementwise(tir_common.exp2, np.minimum(x, 0))
     ref = np.exp2(np.maximum(np.minimum(xd, 0), -126))
     assert np.all(np.abs(got - ref) <= 4e-7 * ref)
-    got = _elementwise(tir_math.sigmoid, x)
+    got = _elementwise(tir_common.sigmoid, x)
     ref = 1 / (1 + np.exp(-xd))
     small = np.abs(xd) <= 10
     assert np.all(np.abs(got - ref)[small] <= 6e-7 * ref[small])
@@ -102,7 +102,7 @@ class _Norm(nn.Module):
 
 
 def test_rms_norm_is_vectorised_and_matches_numpy():
-    """The row-norm schedule (`schedules/cpu_norm.py`): a hidden-state norm ([b, 1, 576])
+    """The row-norm schedule (`schedules/cpu/norm.py`): a hidden-state norm ([b, 1, 576])
     and a per-head one ([b, s, heads, 128], as Qwen3's q/k norms)."""
     rng = np.random.default_rng(3)
     for shape, spec in (

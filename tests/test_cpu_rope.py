@@ -1,4 +1,4 @@
-"""Our RoPE kernel (schedules/cpu_rope.py) against TVM's own, which it replaces.
+"""Our RoPE kernel (schedules/cpu/rope.py) against TVM's own, which it replaces.
 
 The reference is the kernel TVM's KV cache builds (`llama_rope_with_position_map`); ours
 computes the same angle expression once per dimension pair, so the outputs are equal bit for

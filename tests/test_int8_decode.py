@@ -1,8 +1,8 @@
-"""Int8-activation decode kernels (schedules/int8_gemv.py and cpu_int8_batched.py,
+"""Int8-activation decode kernels (schedules/cpu/int8_gemv.py and int8_batched.py,
 compiler/int8_decode_pass.py).
 
 The oracle is numpy on what the kernel claims to compute: the weights decoded by
-`gguf.quants.dequantize`, times the activations rounded as `cpu_int8_ops` documents (written
+`gguf.quants.dequantize`, times the activations rounded as `cpu.int8_ops` documents (written
 here again in numpy float32: each group's int16 multiple of a per-row step, the codes
 rounded half away from zero against it), summed in float64.
 """
@@ -130,9 +130,9 @@ def test_gemv_matches_numpy(qtype):
 @pytest.mark.parametrize("qtype", list(BLOCK))
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
-    `cpu_int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
+    `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
     and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); for the formats with column tiles
-    (`cpu_int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
+    (`cpu.int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
     one of 16 then one of 3."""
     k = 96 if BLOCK[qtype][0] == 32 else 512
     n = 48
@@ -146,7 +146,7 @@ def test_batched_matches_numpy(qtype):
 @needs_vnni
 @pytest.mark.parametrize("qtype", list(BLOCK))
 def test_vnni_tiles_match_numpy(qtype):
-    """Every format through `cpu_int8_vnni`'s 16-column tiles (what `batch_decode` runs on
+    """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
     CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
     ones and a rest (19, 33), and 64 output columns: four 16-column blocks."""
     k = 96 if BLOCK[qtype][0] == 32 else 512

@@ -1,4 +1,4 @@
-"""Dequantizing kernels for GGUF block formats (tallow.model_defs.quant_ops, schedules.cpu_quant).
+"""Dequantizing kernels for GGUF block formats (tallow.model_defs.quant_ops, schedules.cpu.quant).
 
 * TIR dequantization of every type equals ``gguf.quants.dequantize`` bit for bit (float32).
 * QuantLinear (x @ dequantize(W)^T) compiles to ONE PrimFunc holding the "dequantize" block

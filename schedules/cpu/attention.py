@@ -5,13 +5,13 @@ and its paged prefill walks the whole cache capacity for every query row. Measur
 SmolLM2-135M (2 cores): attention was 2.9 s of a 7.2 s prefill of 500 tokens and 19 ms of
 a 62 ms decode step at 500 tokens of context. The kernels here keep the same signatures and
 the same results (output, and the log2-sum-exp `lse` that the cache uses to merge partial
-attentions). Decode's kernel is in `cpu_attention_decode`; the prefill kernels here are
+attentions). Decode's kernel is in `cpu.attention_decode`; the prefill kernels here are
 
 * parallel over (query head, query row): head-major, so the two halves of a causal
   triangle land on different threads with equal work;
 * vectorised over head_dim: 8-lane partial dot products, vector rescale and accumulate;
 * one pass over the rows with an online softmax, 8 rows (`TILE`) at a time: their scores,
-  one max, at most one rescale, and one vector exp2 (a polynomial, `tir_math.exp2`: libm's exp2f
+  one max, at most one rescale, and one vector exp2 (a polynomial, `tir_common.exp2`: libm's exp2f
   is a scalar call per row and was a third of the time);
 * bounded by the sequence's own length, not the cache's capacity.
 
@@ -25,8 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from ..tir_math import LOG2E, exp2
-from ..tir_vectors import add, reduce_lanes
+from ..tir_common import LOG2E, add, exp2, reduce_lanes
 from .attention_decode import LANES, NEG, TILE, decode_kernel, vector_lanes
 
 

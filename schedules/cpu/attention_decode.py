@@ -47,8 +47,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..tir_math import LOG2E, exp2
-from ..tir_vectors import add, maximum, prefetch, reduce_lanes, row_sums
+from ..tir_common import LOG2E, add, exp2, maximum, prefetch, reduce_lanes, row_sums
 
 LANES = 8  # f32 lanes of an AVX2 register: the dot products' partial sums
 WIDE_LANES = 16  # with AVX-512: the partial sums and value slices of head_dim

@@ -38,7 +38,7 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK
 
-from ..tir_vectors import prefetch
+from ..tir_common import prefetch
 from .int8_codes import LANES, group
 from .int8_ops import M_MAX, MULT_LANES, offset_halves
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the int8-activation kernels (`cpu_int8_gemv`, `cpu_int8_batched`).
+"""Pieces shared by the int8-activation kernels (`cpu.int8_gemv`, `cpu.int8_batched`).
 
 Each activation row is quantized in groups of 32, as llama.cpp's Q8_0 does (`d = max|x| / 127`
 per group, codes rounded half away from zero), except for how a group's scale is kept: as an
@@ -40,7 +40,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..tir_vectors import add, lanes, maximum, reduce_lanes
+from ..tir_common import add, lanes, maximum, reduce_lanes
 from .int8_codes import LANES, SIGNED, SPLIT_HALVES
 
 MULT_LANES = 16  # int16 lanes of xm per group: pmaddwd's second operand

@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 
 from tallow.model_defs.quant_ops import BLOCK
 
-from ..tir_vectors import prefetch
+from ..tir_common import prefetch
 from .int8_codes import LANES, SIGNED, group
 from .int8_columns import NIBBLE_CODES, nibble_steps, scales_macro, transpose
 from .int8_ops import offset_halves

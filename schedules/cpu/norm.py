@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from .tiled import _static
+from ..tir_common import static_extent
 
 
 def schedule_row_reduction(sch: s_tir.Schedule, infos, lanes: int) -> bool:
@@ -30,8 +30,8 @@ def schedule_row_reduction(sch: s_tir.Schedule, infos, lanes: int) -> bool:
     red_loops, out_loops = sch.get_loops(red), sch.get_loops(out)
     if len(out_loops) != len(red_loops) or len(out_loops) < 2:
         return False
-    k = _static(sch.get(red_loops[-1]).extent)
-    if k is None or k % lanes or _static(sch.get(out_loops[-1]).extent) != k:
+    k = static_extent(sch.get(red_loops[-1]).extent)
+    if k is None or k % lanes or static_extent(sch.get(out_loops[-1]).extent) != k:
         return False
     *outer, inner = out_loops
     rows = sch.fuse(*outer) if len(outer) > 1 else outer[0]

@@ -5,9 +5,9 @@ a reduction block `out[m..., n] = sum_k x[m..., k] * dequantize[n, k]`, and opti
 elementwise epilogue blocks that FuseOps fused in (bias, residual add).
 
 Unscheduled, the dequantize block would write all of W in full precision to a scratch
-buffer. Prefill kernels (a symbolic token axis) go to the tiled schedule of `cpu_tiled`.
+buffer. Prefill kernels (a symbolic token axis) go to the tiled schedule of `cpu.tiled`.
 The matrix-vector schedule here serves decode (one row) and batched decode where the
-int8-activation kernels of `cpu_int8_gemv` do not apply (no AVX2, untileable shapes):
+int8-activation kernels of `cpu.int8_gemv` do not apply (no AVX2, untileable shapes):
 
 * splits N into chunks that run on the thread pool (`parallel`), as the float schedule does;
 * tiles the rows of x by `ROWS`, so one decoded piece of W serves `ROWS` sequences in a
@@ -27,7 +27,7 @@ import logging
 import tvm
 from tvm import s_tir, tirx
 
-from .rules import _static, _vector_lanes
+from ..tir_common import register_lanes, static_extent
 from .tiled import schedule_tiled_matmul, tile_for
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,9 @@ def _is_quant_matmul(sch: s_tir.Schedule):
     loops = sch.get_loops(mm)
     if len(loops) != len(iters):
         return None
-    n_ext, k_ext = _static(sch.get(loops[-2]).extent), _static(sch.get(loops[-1]).extent)
-    n_w, k_w = (_static(e) for e in deq_stmt.writes[0].source.shape)
+    n_ext = static_extent(sch.get(loops[-2]).extent)
+    k_ext = static_extent(sch.get(loops[-1]).extent)
+    n_w, k_w = (static_extent(e) for e in deq_stmt.writes[0].source.shape)
     if n_ext is None or k_ext is None or (n_ext, k_ext) != (n_w, k_w) or k_ext % K_TILE:
         return None
     # the only other blocks may be elementwise epilogues hanging off the matmul
@@ -88,7 +89,7 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
     The matrix-vector schedule below serves a known token count (decode of one sequence)
     and batched decode (`[batch, 1, K]`, a few rows: its rows are padded to whole tiles so
     the tile needs no predicate). Prefill (`[1, tokens, K]`, up to a whole chunk) gets the
-    tiled schedule of `cpu_tiled`, which decodes each weight once for all its rows.
+    tiled schedule of `cpu.tiled`, which decodes each weight once for all its rows.
     Measured for SmolLM2's gate/up projection: 4 rows 0.50 ms tiled vs 0.25 ms here; the
     engine's 16-sequence decode went from 127 to 142 tok/s with 8-row tiles instead of 4.
     """
@@ -96,11 +97,11 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
     if found is None:
         return False
     deq, mm, epilogues, m_loops, n, k = found
-    symbolic = [_static(sch.get(loop).extent) is None for loop in m_loops]
+    symbolic = [static_extent(sch.get(loop).extent) is None for loop in m_loops]
     copy_out = None
     if any(symbolic):
-        batched_decode = len(m_loops) > 1 and _static(sch.get(m_loops[-1]).extent) == 1
-        if not batched_decode and tile_for(_static(sch.get(n).extent)) is not None:
+        batched_decode = len(m_loops) > 1 and static_extent(sch.get(m_loops[-1]).extent) == 1
+        if not batched_decode and tile_for(static_extent(sch.get(n).extent)) is not None:
             return schedule_tiled_matmul(sch, mm, deq, epilogues, target)
         if batched_decode and sum(symbolic) == 1:
             sch.pad_einsum(mm, [ROWS if s else 1 for s in symbolic] + [1, 1])
@@ -108,9 +109,9 @@ def schedule_quant_matmul(sch: s_tir.Schedule, target=None) -> bool:
             *m_loops, n, k = sch.get_loops(mm)
     dtype = str(sch.get(mm).writes[0].source.dtype)
     m = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
-    m_ext = _static(sch.get(m).extent)
+    m_ext = static_extent(sch.get(m).extent)
     rows = ROWS if m_ext is None else max(1, min(ROWS, m_ext))
-    lanes = min(_vector_lanes(target, dtype), K_TILE)
+    lanes = min(register_lanes(target, dtype), K_TILE)
     if rows > 1:
         lanes = min(lanes, ROW_LANES)  # rows x lanes partial sums must fit in registers
     mo, mi = sch.split(m, [None, rows])

@@ -9,9 +9,9 @@ weights' matmuls dominate decode and prefill, so they get a real schedule:
   weight row serves several tokens during prefill (weights are the memory traffic).
 * The N axis is split into chunks that run on the thread pool.
 
-The KV cache's attention and RoPE kernels are replaced by ours (`cpu_attention`,
-`cpu_rope`); row norms (a sum over the last axis, then an elementwise pass) get vector
-partial sums (`cpu_norm`); other injective kernels get their last axis vectorised and their
+The KV cache's attention and RoPE kernels are replaced by ours (`cpu.attention`,
+`cpu.rope`); row norms (a sum over the last axis, then an elementwise pass) get vector
+partial sums (`cpu.norm`); other injective kernels get their last axis vectorised and their
 outer axes parallelised.
 """
 
@@ -24,20 +24,15 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
+from ..tir_common import register_lanes, static_extent
 from .norm import schedule_row_reduction
-from .tiled import _static, schedule_tiled_matmul
+from .tiled import schedule_tiled_matmul
 
 log = logging.getLogger(__name__)
 
 ROWS = 4  # token rows sharing one pass over the weights in prefill
 N_CHUNK = 16  # output columns per parallel task
 MIN_PARALLEL = 4096  # elementwise kernels smaller than this stay on one thread
-
-
-def _vector_lanes(target, dtype: str) -> int:
-    bits = tvm.target.codegen.llvm_get_vector_width(target) if target else 256
-    lanes = max(1, int(bits) // tvm.DataType(dtype).bits)
-    return min(lanes, 16)
 
 
 def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
@@ -50,10 +45,10 @@ def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
     loops = sch.get_loops(block)
     if len(loops) != len(kinds):
         return False
-    k_extent = _static(sch.get(loops[-1]).extent)
-    n_extent = _static(sch.get(loops[-2]).extent)
+    k_extent = static_extent(sch.get(loops[-1]).extent)
+    n_extent = static_extent(sch.get(loops[-2]).extent)
     dtype = str(sch.get(block).writes[0].source.dtype)
-    lanes = _vector_lanes(target, "float32")
+    lanes = register_lanes(target, "float32")
     if k_extent is None or n_extent is None or k_extent % lanes:
         return False
     if dtype not in ("float32", "float16"):  # LLVM has no vector bf16 arithmetic on x86
@@ -61,7 +56,7 @@ def _schedule_matmul(sch: s_tir.Schedule, infos, target) -> bool:
     *m_loops, n, k = loops
     if not m_loops:
         return False
-    if dtype == "float32" and any(_static(sch.get(loop).extent) is None for loop in m_loops):
+    if dtype == "float32" and any(static_extent(sch.get(loop).extent) is None for loop in m_loops):
         epilogues = [info.block_rv for info in infos[1:]]
         if schedule_tiled_matmul(sch, block, None, epilogues, target):
             return True
@@ -97,19 +92,19 @@ def _schedule_elementwise(sch: s_tir.Schedule, infos, target) -> bool:
     if not loops:
         return False
     *outer, inner = loops
-    lanes = _vector_lanes(target, str(sch.get(block).writes[0].source.dtype))
-    inner_extent = _static(sch.get(inner).extent)
+    lanes = register_lanes(target, str(sch.get(block).writes[0].source.dtype))
+    inner_extent = static_extent(sch.get(inner).extent)
     if inner_extent is not None and inner_extent % lanes == 0:
         _, vec = sch.split(inner, [None, lanes])
         sch.vectorize(vec)
         if outer:
             rows = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-            n_rows = _static(sch.get(rows).extent)
+            n_rows = static_extent(sch.get(rows).extent)
             if n_rows is None or (n_rows > 1 and n_rows * inner_extent >= MIN_PARALLEL):
                 sch.parallel(rows)
         return True
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-    extent = _static(sch.get(fused).extent)
+    extent = static_extent(sch.get(fused).extent)
     if extent is not None and extent < MIN_PARALLEL:
         return False
     outer_loop, _ = sch.split(fused, [None, 1024])
@@ -118,7 +113,7 @@ def _schedule_elementwise(sch: s_tir.Schedule, infos, target) -> bool:
 
 
 def _schedule_row_norm(sch: s_tir.Schedule, infos, target) -> bool:
-    return schedule_row_reduction(sch, infos, _vector_lanes(target, "float32"))
+    return schedule_row_reduction(sch, infos, register_lanes(target, "float32"))
 
 
 def _schedule_func(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:

@@ -29,8 +29,7 @@ from tvm.script import tirx as T
 
 from tallow.runtime.model_runner_protocol import CONTROL_COLUMNS
 
-from ..tir_math import LOG2E, exp2
-from ..tir_vectors import add, maximum, minimum, reduce_lanes
+from ..tir_common import LOG2E, add, exp2, maximum, minimum, reduce_lanes
 
 # Lanes of each pass's accumulators: four AVX2 registers, so four independent add (or max)
 # chains hide the 3-cycle latency that one chain would wait on (2-3x on these passes).
@@ -58,7 +57,7 @@ def key(v):
 KEY_NEG_INF = -2139095041  # key(-inf): the lowest key a real token can have
 
 
-# The draw, shared by this kernel and the GPU one (`gpu_sampling`) so that both pick the same
+# The draw, shared by this kernel and the GPU one (`gpu.sampling`) so that both pick the same
 # token: the tokens are cut into segments (blocks here, one per thread there), and with the
 # scratch state `f`, `k` of both kernels (f[3] the target mass `u * total`, f[4] the mass
 # before the chosen segment, f[5] a segment's mass, k[3] the cut's key):

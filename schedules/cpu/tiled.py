@@ -14,19 +14,17 @@ ceil(m / MR) * MR rows, the result copied back), and the tile needs no predicate
 
 Measured on SmolLM2's gate/up projection (N = 3072, K = 576, q4_1, 2 threads): 500 rows
 went from 65 ms to 14 ms (123 GFLOP/s); 16 rows from 1.5 ms to 0.8 ms. Below about 4 rows
-the matrix-vector schedule of `cpu_quant` is faster, which is why decode keeps it.
+the matrix-vector schedule of `cpu.quant` is faster, which is why decode keeps it.
 """
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+from tvm import s_tir
+
+from ..tir_common import static_extent
 
 MR = 4  # rows of x per micro-tile
 LANES = 8  # f32 lanes of an AVX2 register
-
-
-def _static(extent) -> int | None:
-    return int(extent) if isinstance(extent, tirx.IntImm | int) else None
 
 
 def tile_for(n_extent: int | None) -> tuple[int, int] | None:
@@ -44,9 +42,9 @@ def schedule_tiled_matmul(sch: s_tir.Schedule, mm, deq, epilogues, target=None) 
     (computed per column chunk) or None when the weight is read as it is."""
     *m_loops, n, k = sch.get_loops(mm)
     n_out = len(sch.get(mm).writes[0].source.shape)
-    tile = tile_for(_static(sch.get(n).extent))
-    symbolic = [_static(sch.get(loop).extent) is None for loop in m_loops]
-    if tile is None or sum(symbolic) != 1 or (_static(sch.get(k).extent) or 1) % LANES:
+    tile = tile_for(static_extent(sch.get(n).extent))
+    symbolic = [static_extent(sch.get(loop).extent) is None for loop in m_loops]
+    if tile is None or sum(symbolic) != 1 or (static_extent(sch.get(k).extent) or 1) % LANES:
         return False
     nr, chunk = tile
     # pad the symbolic row axis (prefill: tokens; batched decode: sequences) to whole tiles

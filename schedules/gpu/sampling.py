@@ -1,6 +1,6 @@
 """The token sampler compiled into GPU artifacts (CUDA, Metal): one thread block per row.
 
-The algorithm and its semantics are the CPU kernel's (`cpu_sampling.py`: bisection over
+The algorithm and its semantics are the CPU kernel's (`cpu/sampling.py`: bisection over
 order-preserving int32 keys for top-k and top-p, a threshold for min-p, an inverse-CDF draw
 in token order). Here each bisection step is one pass of the block's threads over the row
 and a shared-memory tree reduction; every thread keeps the same copy of the row's scalars,
@@ -30,15 +30,14 @@ from ..cpu.sampling import (
     walk_macro,
     workspace_width,
 )
-from ..tir_math import LOG2E
-from ..tir_vectors import add, maximum, minimum
+from ..tir_common import LOG2E, add, maximum, minimum
 
 THREADS = 256  # threads per row; workspace_width is a multiple of it
 LOG_THREADS = 8
 
 
 def sample_kernel(vocab: int, padded: int):
-    """Same signature and outputs as `cpu_sampling.sample_kernel`."""
+    """Same signature and outputs as `cpu.sampling.sample_kernel`."""
     width = workspace_width(vocab)
     per_thread = width // THREADS  # strided elements per thread in a pass, and segment length
     # thread s owns tokens s * per_thread + j, stored interleaved at j * THREADS + s
