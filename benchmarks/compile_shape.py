@@ -81,27 +81,27 @@ PRESETS = {
 
 def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None) -> dict:
     """Build, export, lower and build `hf_config` for `target`; return timings + details."""
-    from tallow.compiler.relax_pipeline import build_module, lower_module
+    from tallow.compiler.relax_pipeline import lower_module
     from tallow.compiler.sampler_function import add_sampler_function
-    from tallow.compiler.target import DTYPES, resolve_target
+    from tallow.compiler.target import DTYPES, BuildReport, resolve_target
     from tallow.model_defs.registry import get_architecture
 
     out.mkdir(parents=True, exist_ok=True)
     times, t0 = {}, time.perf_counter()
     spec = resolve_target(target, dtype, sms)
     if spec.kind == "cpu":  # generic x86-64: the reference must run on any machine's CPU
-        spec.tvm_target, spec.details = {"kind": "llvm"}, {"mcpu": "generic"}
+        spec.tvm_target, spec.report = {"kind": "llvm"}, BuildReport(mcpu="generic")
     arch = get_architecture(hf_config)
     config = arch.config_from_hf(hf_config)
     module = arch.build(config, DTYPES[dtype], spec.tvm())
     ir_module, params = module.export_tvm(spec=module.get_default_spec())
-    ir_module = add_sampler_function(ir_module, config.vocab_size, spec.kind)
+    ir_module = add_sampler_function(ir_module, config.vocab_size, spec.backend)
     times["export_s"] = round(time.perf_counter() - t0, 1)
     t = time.perf_counter()
     lowered = lower_module(ir_module, spec)
     times["lower_s"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
-    build_module(lowered, spec, out / spec.library_name)
+    spec.backend.build(lowered, spec, out / spec.library_name)
     times["build_s"] = round(time.perf_counter() - t, 1)
     times["total_s"] = round(time.perf_counter() - t0, 1)
     times["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
@@ -109,7 +109,7 @@ def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None)
         "config": hf_config,
         "dtype": DTYPES[dtype],
         "library": spec.library_name,
-        "target": {"kind": spec.kind, "details": spec.details},
+        "target": {"kind": spec.kind, "details": spec.report.to_details()},
         "params": [[n, [int(d) for d in p.shape], str(p.dtype)] for n, p in params],
         "times": times,
     }
@@ -118,9 +118,11 @@ def compile_shape(hf_config: dict, target: str, dtype: str, out: Path, sms=None)
 
 
 def main() -> None:
+    from tallow.compiler.backends import BACKENDS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    ap.add_argument("--target", default="cuda", choices=["cpu", "cuda", "metal"])
+    ap.add_argument("--target", default="cuda", choices=list(BACKENDS))
     ap.add_argument("--sm", type=int, action="append", dest="sms")
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--out", type=Path, required=True)

@@ -16,6 +16,9 @@ from tallow.runtime.errors import TallowError
 
 
 def _add_compile(sub) -> None:
+    # The registry of compile targets; importing it loads no TVM (backends import it lazily).
+    from tallow.compiler.backends import BACKENDS
+
     p = sub.add_parser(
         "compile",
         help="compile a model into an artifact folder",
@@ -39,7 +42,7 @@ def _add_compile(sub) -> None:
     p.add_argument(
         "--target",
         default="cpu",
-        choices=["cpu", "cuda", "metal"],
+        choices=list(BACKENDS),
         help="compile target (default cpu)",
     )
     p.add_argument(

@@ -20,6 +20,10 @@ see `schedules.cpu.int8_ops`). The manifest records it (`target.details.decode_a
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .backends.base import BuildReport
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,8 @@ def int8_kernel_for(func, vnni: bool = False):
     return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
 
 
-def int8_decode_kernels(details: dict, vnni: bool = False):
-    """The module pass; counts the kernels it replaced into `details`. `vnni`: the target
+def int8_decode_kernels(report: BuildReport, vnni: bool = False):
+    """The module pass; records the kernels it replaced in `report`. `vnni`: the target
     has AVX-512 VNNI (`schedules.cpu.int8_vnni.supported`)."""
     import tvm
 
@@ -62,10 +66,10 @@ def int8_decode_kernels(details: dict, vnni: bool = False):
                     updated[gv] = kernel
         for gv, kernel in updated.items():
             mod[gv] = kernel
-        details["decode_activations"] = ACTIVATIONS if updated else "float32"
-        details["int8_decode_kernels"] = len(updated)
+        report.decode_activations = ACTIVATIONS if updated else "float32"
+        report.int8_decode_kernels = len(updated)
         if updated:
-            details["int8_decode_tiles"] = "avx512-vnni" if vnni else "avx2"
+            report.int8_decode_tiles = "avx512-vnni" if vnni else "avx2"
         log.info("int8-activation decode kernels: %d", len(updated))
         return mod
 

@@ -26,8 +26,6 @@ from .source import resolve_source, sha256_file
 from .target import DTYPES, resolve_target
 from .weights import ParamSpec, check_sources_present, check_weight_map, write_weight_shards
 
-LIBRARY_NAME = "model.so"
-
 
 def read_config(state: CompileState) -> str:
     opts = state.options
@@ -91,9 +89,9 @@ def add_sampler(state: CompileState) -> str:
     from .sampler_function import SAMPLER_FUNCTION, add_sampler_function
 
     vocab = state.config.vocab_size
-    state.ir_module = add_sampler_function(state.ir_module, vocab, state.target.kind)
+    state.ir_module = add_sampler_function(state.ir_module, vocab, state.target.backend)
     state.functions.append(SAMPLER_FUNCTION)
-    return f"{SAMPLER_FUNCTION} over {vocab} tokens ({state.target.kind} kernel)"
+    return f"{SAMPLER_FUNCTION} over {vocab} tokens ({state.target.backend.name} kernel)"
 
 
 def lower(state: CompileState) -> str:
@@ -104,11 +102,10 @@ def lower(state: CompileState) -> str:
 
 
 def build_library(state: CompileState) -> str:
-    from .relax_pipeline import build_module as build_ir
-
-    name = state.target.library_name  # LIBRARY_NAME, or a .tar of objects for Metal
+    spec = state.target
+    name = spec.library_name  # model.so, or a .tar of objects for Metal
     path = state.work_dir / name
-    build_ir(state.ir_module, state.target, path)
+    spec.backend.build(state.ir_module, spec, path)
     return f"{name}: {path.stat().st_size / 2**20:.1f} MiB"
 
 
@@ -163,7 +160,7 @@ def write_manifest(state: CompileState) -> str:
             kind=state.target.kind,
             tvm_target=state.target.tvm_target,
             host=state.target.host,
-            details=state.target.details,
+            details=state.target.report.to_details(),
         ),
         library=state.target.library_name,
         functions=state.functions,

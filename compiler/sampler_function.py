@@ -5,28 +5,27 @@
 with the controls of a row: temperature, top_k, top_p, min_p and its uniform draw.
 
 The runtime calls it on the logits a forward left on the device, so only `n` token ids come
-back to the host (on a GPU, instead of n x vocab floats). The kernel is the target's
-(`schedules/cpu/sampling.py`, `schedules/gpu/sampling.py`), scheduled by hand; its two scratch
-outputs are planned like any other intermediate.
+back to the host (on a GPU, instead of n x vocab floats). The kernel is the target's (its
+backend's `sampler_kernels`: `schedules/cpu/sampling.py`, `schedules/gpu/sampling.py`),
+scheduled by hand; its two scratch outputs are planned like any other intermediate.
 """
 
 from __future__ import annotations
 
 from tallow.runtime.model_runner_protocol import CONTROL_COLUMNS, SAMPLER_FUNCTION
 
+from .backends.base import TargetBackend
+
 __all__ = ["SAMPLER_FUNCTION", "add_sampler_function"]
 
 
-def add_sampler_function(mod, vocab_size: int, kind: str):
-    """`mod` with `sample_tokens` added for a `kind` ("cpu", "cuda", "metal") target."""
+def add_sampler_function(mod, vocab_size: int, backend: TargetBackend):
+    """`mod` with `sample_tokens` added, its kernel the one `backend` provides."""
     from tvm import relax, tirx
 
-    from tallow.schedules.cpu import sampling as cpu_sampling
-    from tallow.schedules.gpu import sampling as gpu_sampling
-
-    kernels = cpu_sampling if kind == "cpu" else gpu_sampling
+    kernels = backend.sampler_kernels()
     kernel = kernels.sample_kernel(vocab_size, vocab_size)
-    width = cpu_sampling.workspace_width(vocab_size)
+    width = kernels.workspace_width(vocab_size)
 
     n = tirx.Var("n", "int64")
 

@@ -103,9 +103,10 @@ def test_draws_follow_the_warped_distribution():
 def test_function_is_added_to_the_module():
     from tvm import relax
 
+    from tallow.compiler.backends import get_backend
     from tallow.compiler.sampler_function import SAMPLER_FUNCTION, add_sampler_function
 
-    mod = add_sampler_function(tvm.IRModule(), 1000, "cpu")
+    mod = add_sampler_function(tvm.IRModule(), 1000, get_backend("cpu"))
     func = mod[SAMPLER_FUNCTION]
     assert isinstance(func, relax.Function)
     assert [p.name for p in func.params] == ["logits", "controls"]

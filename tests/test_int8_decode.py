@@ -18,7 +18,7 @@ from tvm.target import Target
 
 from tallow.compiler.int8_decode_pass import int8_decode_kernels
 from tallow.compiler.quant import QUANT_TYPES, quantize
-from tallow.compiler.target import resolve_target
+from tallow.compiler.target import BuildReport, resolve_target
 from tallow.model_defs.quant_ops import BLOCK, QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
 
@@ -250,14 +250,14 @@ def test_pass_replaces_decode_kernels_only():
         "rows": {"x": nn.spec.Tensor(["m", k], "float32")},
     }
     mod, _ = _Projections(k, n, qtype).export_tvm(specs)
-    details: dict = {}
+    report = BuildReport()
     with TARGET:
-        out = int8_decode_kernels(details)(mod)
+        out = int8_decode_kernels(report)(mod)
     int8 = [f for _, f in out.functions_items() if 'T.sblock("dot")' in f.script()]
     floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
     assert len(int8) == 2 and len(floats) == 2
     assert all(int(f.attrs["op_pattern"]) == 8 for f in int8)  # opaque: fusion leaves it whole
-    assert details == {
+    assert report.to_details() == {
         "decode_activations": "int8_g32_row_step",
         "int8_decode_kernels": 2,
         "int8_decode_tiles": "avx2",

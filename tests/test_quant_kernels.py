@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax, s_tir, te
-from tvm.relax import transform as T
 from tvm.relax.frontend import nn
 from tvm.target import Target
 
 from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.compiler.relax_pipeline import fusion_passes, vm_lowering_passes
 from tallow.model_defs.quant_ops import (
     BLOCK,
     QuantEmbedding,
@@ -60,35 +60,15 @@ def test_dequantize_bit_exact(qtype):
 
 
 def _pipeline():
-    """The fusion part of compiler/relax_pipeline.py, the quant schedule, then VM lowering."""
+    """The fusion passes of compiler/relax_pipeline.py, the quant schedule, then its VM
+    lowering (the CPU backend's own additions left out: this tests the quant kernels)."""
 
     @tvm.transform.module_pass(opt_level=0, name="cpu_quant")
     def schedule(mod, _ctx):
         return cpu_quant.schedule_module(mod, TARGET)
 
-    fuse = [
-        T.FuseTransposeMatmul(),
-        T.LegalizeOps(),
-        T.AnnotateTIROpPattern(),
-        T.FoldConstant(),
-        T.FuseOps(),
-        T.FuseTIR(),
-        T.DeadCodeElimination(),
-    ]
-    lower = [
-        T.RewriteDataflowReshape(),
-        T.ToNonDataflow(),
-        T.RemovePurityChecking(),
-        T.CallTIRRewrite(),
-        T.StaticPlanBlockMemory(),
-        T.LowerAllocTensor(),
-        T.KillAfterLastUse(),
-        T.LowerRuntimeBuiltin(),
-        T.ComputePrimValue(),
-        T.VMShapeLower(),
-        T.AttachGlobalSymbol(),
-    ]
-    return tvm.transform.Sequential(fuse), schedule, tvm.transform.Sequential(lower)
+    fuse = tvm.transform.Sequential(fusion_passes())
+    return fuse, schedule, tvm.transform.Sequential(vm_lowering_passes())
 
 
 def _build(module: nn.Module, spec: dict):

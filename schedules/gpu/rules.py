@@ -77,13 +77,6 @@ def _rules():
     ]
 
 
-def has_tensor_cores(target) -> bool:
-    if target.kind.name == "metal":
-        return True  # simdgroup matrices (Apple7+ GPUs)
-    arch = str(target.attrs.get("arch", ""))
-    return target.kind.name == "cuda" and arch.startswith("sm_") and int(arch[3:]) >= 70
-
-
 def _family(name: str) -> str:
     """`fused_NT_matmul1_add2` -> `fused_NT_matmul_add`: one family per kernel shape class."""
     return re.sub(r"\d+(?=_|$)", "", name)
@@ -104,8 +97,13 @@ def _no_tensor_core_reason(func: tirx.PrimFunc) -> str:
     return "tensorization rule did not match"
 
 
-def schedule_module(mod: tvm.IRModule, target, report: dict | None = None) -> tvm.IRModule:
-    """Schedule every unscheduled PrimFunc; fill `report` with what each kernel got."""
+def schedule_module(
+    mod: tvm.IRModule, target, report: dict | None = None, tensor_cores: bool = False
+) -> tvm.IRModule:
+    """Schedule every unscheduled PrimFunc; fill `report` with what each kernel got.
+
+    `tensor_cores`: the target has matrix units (the backend's `has_tensor_cores`), so a
+    matmul the Matmul rule kept on SIMT cores is reported with the reason."""
     _import_tensor_intrinsics()
     rules = _rules()
     kernels: dict[str, str] = {}
@@ -138,7 +136,7 @@ def schedule_module(mod: tvm.IRModule, target, report: dict | None = None) -> tv
         if chosen == "Matmul":
             if _TENSOR_CORE_CALLS.search(updated[gv].script()):
                 tensor_core.append(name)
-            elif has_tensor_cores(target):
+            elif tensor_cores:
                 reason = _no_tensor_core_reason(func)
                 fallbacks.append({"kernel": name, "reason": reason})
                 log.warning("matmul kernel %s is not on tensor cores: %s", name, reason)
@@ -151,7 +149,7 @@ def schedule_module(mod: tvm.IRModule, target, report: dict | None = None) -> tv
         report["rules"] = dict(Counter(kernels.values()))
         report["families"] = {f: dict(c) for f, c in sorted(families.items())}
         report["tensor_core"] = {
-            "target_has_tensor_cores": has_tensor_cores(target),
+            "target_has_tensor_cores": tensor_cores,
             "tensorized_kernels": sorted(tensor_core),
             "matmul_kernels_without_tensor_cores": fallbacks,
         }

@@ -1,0 +1,181 @@
+"""What every compile target provides (`TargetBackend`), what a resolved target is
+(`TargetSpec`), and what the compile learned about it (`BuildReport`).
+
+A backend answers every target-specific question the compiler asks, so the phases and the
+Relax pipeline stay target-neutral: which options it accepts, the TVM target, the Relax passes
+it adds at the pipeline's hooks, the pass that schedules every TIR kernel, the pass context,
+how the library is built and named, and which token-sampler kernel goes into the artifact.
+A new target is one module: a `TargetBackend` subclass passed to `register_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tallow.runtime.errors import TargetError
+
+DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass
+class BuildReport:
+    """Facts about one build, written to the manifest as `target.details`.
+
+    Each pass or build step sets the fields it knows; `to_details` drops the unset ones, so an
+    artifact records only what applied to its target. Field order is the key order of the
+    manifest. A backend with facts of its own subclasses this with more fields.
+    """
+
+    # target resolution
+    archs: list[str] | None = None  # CUDA: every SM the fatbin holds SASS for
+    scheduled_for: str | None = None  # CUDA: the arch the TIR was scheduled for (the lowest)
+    mcpu: str | None = None  # CPU: LLVM's name of the host CPU the code is tuned for
+    host_format: str | None = None  # Metal: how the host code ships
+    # lowering
+    tir_config: dict[str, Any] | None = None  # GPU: the TIR pass configuration
+    decode_activations: str | None = None  # CPU: int8_decode_pass.ACTIVATIONS or "float32"
+    int8_decode_kernels: int | None = None  # CPU: decode matmuls given int8-activation kernels
+    int8_decode_tiles: str | None = None  # CPU: "avx512-vnni" or "avx2"
+    schedules: dict[str, Any] | None = None  # GPU: rule per kernel, families, tensor-core use
+    cuda_graph: dict[str, Any] | None = None  # CUDA: what RewriteCUDAGraph captured
+    # build
+    nvcc: str | None = None  # CUDA: nvcc version
+    build_driver: str | None = None  # CUDA: "system" driver or the build-time "stub"
+    kernels_in_source: int | None = None  # CUDA: __global__ functions generated
+    shaders: int | None = None  # Metal: kernel functions generated
+    tensor_core_in_source: bool | None = None  # GPU: matrix-unit calls in the device code
+
+    def to_details(self) -> dict[str, Any]:
+        """The manifest's `target.details`: the set fields, in field order."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+
+@dataclass
+class TargetSpec:
+    """A target resolved from the user's options: the backend, TVM's target and the report."""
+
+    backend: TargetBackend
+    tvm_target: dict[str, Any]
+    host: dict[str, Any] | None = None
+    report: BuildReport = field(default_factory=BuildReport)
+
+    def tvm(self):
+        import tvm
+
+        if self.host is None:
+            return tvm.target.Target(self.tvm_target)
+        return tvm.target.Target(self.tvm_target, host=self.host)
+
+    @property
+    def kind(self) -> str:
+        """The device kind the runtime loads the library onto (the manifest's `target.kind`)."""
+        return self.backend.device
+
+    @property
+    def suffix(self) -> str:
+        """The target part of the default artifact name."""
+        return self.backend.artifact_suffix(self)
+
+    @property
+    def library_name(self) -> str:
+        return self.backend.library_name
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """The report as the manifest writes it (read-only view)."""
+        return self.report.to_details()
+
+
+class TargetBackend(ABC):
+    """One compile target. Subclasses set `name` and implement the abstract methods; the
+    hooks have do-nothing defaults. Methods take the `TargetSpec` and, while lowering, the TVM
+    target object built from it (`spec.tvm()`)."""
+
+    name: ClassVar[str]  # what `--target` says, the key in `BACKENDS`
+    device: ClassVar[str] = ""  # manifest `target.kind` (the runtime's device); default: name
+    library_name: ClassVar[str] = "model.so"  # the library's file name in the artifact
+    accepts_sms: ClassVar[bool] = False  # whether `--sm` applies
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A backend derived from another runs on its parent's device unless it says otherwise.
+        if "name" in cls.__dict__ and not cls.device:
+            cls.device = cls.name
+
+    # --- target resolution ----------------------------------------------------------------
+    def resolve(self, dtype: str, sms: list[int] | None = None) -> TargetSpec:
+        """Check the options and build the spec (`check_dtype`, then `make_spec`)."""
+        if dtype not in DTYPES:
+            raise TargetError(
+                f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}"
+            )
+        if sms and not self.accepts_sms:
+            from . import BACKENDS
+
+            takes = ", ".join(n for n, b in BACKENDS.items() if b.accepts_sms)
+            raise TargetError(f"--sm applies to --target {takes} only")
+        self.check_dtype(dtype)
+        return self.make_spec(dtype, sms)
+
+    def check_dtype(self, dtype: str) -> None:
+        """Raise `TargetError` when this target cannot run `dtype` (default: all of DTYPES)."""
+        return None
+
+    @abstractmethod
+    def make_spec(self, dtype: str, sms: list[int] | None) -> TargetSpec:
+        """The TVM target (and host) for checked options, with the report's first facts."""
+
+    def artifact_suffix(self, spec: TargetSpec) -> str:
+        return self.name
+
+    # --- Relax pipeline hooks (see compiler/relax_pipeline.py for where each one runs) -----
+    def prepare_for_lowering(self, mod, spec: TargetSpec):
+        """`mod` before any pass runs (e.g. function attributes the passes read)."""
+        return mod
+
+    def passes_before_fusion(self, spec: TargetSpec, target) -> list:
+        """Relax rewrites that must see the model's operators before legalization and fusion."""
+        return []
+
+    @abstractmethod
+    def schedule_pass(self, spec: TargetSpec, target):
+        """The module pass that schedules every fused TIR kernel for this target."""
+
+    def passes_after_memory_planning(self, spec: TargetSpec, target) -> list:
+        return []
+
+    def passes_after_vm_lowering(self, spec: TargetSpec, target) -> list:
+        return []
+
+    def pass_context(self, spec: TargetSpec):
+        """The context lowering and building run in (PassContext configuration)."""
+        return contextlib.nullcontext()
+
+    def after_lowering(self, mod, spec: TargetSpec) -> None:
+        """Record in `spec.report` what lowering did to `mod` (default: nothing to record)."""
+        return None
+
+    # --- build ----------------------------------------------------------------------------
+    @abstractmethod
+    def build(self, mod, spec: TargetSpec, path: Path) -> None:
+        """Generate machine code for the lowered module and write the library to `path`."""
+
+    # --- the compiled token sampler -------------------------------------------------------
+    @abstractmethod
+    def sampler_kernels(self):
+        """The module with `sample_kernel(vocab, vocab)` and `workspace_width(vocab)` for
+        `compiler/sampler_function.py`."""
+
+    # --- capabilities ---------------------------------------------------------------------
+    def has_tensor_cores(self, target) -> bool:
+        """Whether `target` has matrix units a matmul schedule should use."""
+        return False
