@@ -30,10 +30,10 @@ from tallow.runtime.request import (
     Request,
     RequestOutput,
     SchedulerOutput,
+    SequenceState,
     TokenLogprob,
     Usage,
 )
-from tallow.runtime.request import Sequence as Seq
 from tallow.runtime.sampler import Sampler, make_generator
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
@@ -47,8 +47,10 @@ Sink = Callable[["RequestOutput | BaseException"], None]
 
 
 @dataclass
-class _SeqState:
-    seq: Seq
+class _StreamState:
+    """A sequence's per-stream state: its sampling generator, detokenizer and stop matcher."""
+
+    seq: SequenceState
     generator: np.random.Generator | None
     detok: IncrementalDetokenizer | None
     stop: StopStringMatcher
@@ -58,7 +60,7 @@ class _SeqState:
 class _ReqState:
     request: Request
     sink: Sink
-    seqs: dict[int, _SeqState] = field(default_factory=dict)  # by completion index
+    seqs: dict[int, _StreamState] = field(default_factory=dict)  # by completion index
     completion_tokens: int = 0
     cached_tokens: int | None = None  # fixed at the first sample
     num_finished: int = 0
@@ -94,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(runner, scheduler_config)
         self.sampling = StepSampler(runner, Sampler())
         self._requests: dict[str, _ReqState] = {}  # step-thread only
-        self._by_seq: dict[int, _SeqState] = {}  # seq_id -> state, step-thread only
+        self._by_seq: dict[int, _StreamState] = {}  # seq_id -> state, step-thread only
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._live_ids: set[str] = set()  # guarded by _inbox_lock; rejects duplicate ids
@@ -246,9 +248,10 @@ class Engine:
         self._snapshot = self._collect_stats()
 
     def step(self) -> None:
-        batch = self.scheduler.schedule()
-        logits = self.runner.forward(batch.forward_items) if batch.items else None
-        self._postprocess(batch, logits)
+        """The scheduler decides, the runner executes, the engine samples and streams."""
+        out = self.scheduler.schedule()
+        logits = self.runner.forward(out.forward_items) if out.items else None
+        self._postprocess(out, logits)
 
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
@@ -267,7 +270,7 @@ class Engine:
         self._track(state, seq)
         self._prompt_tokens += len(prompt)
 
-    def _track(self, state: _ReqState, seq: Seq) -> None:
+    def _track(self, state: _ReqState, seq: SequenceState) -> None:
         p = state.request.params
         if p.seed is None or seq.index == 0:
             gen = make_generator(p.seed)
@@ -280,7 +283,7 @@ class Engine:
             if self.tokenizer is not None
             else None
         )
-        st = _SeqState(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
+        st = _StreamState(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
         state.seqs[seq.index] = st
         self._by_seq[seq.seq_id] = st
 
@@ -300,10 +303,10 @@ class Engine:
         state.num_finished = n
         self._emit(state, deltas)
 
-    def _postprocess(self, batch: SchedulerOutput, logits: np.ndarray | None) -> None:
+    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray | None) -> None:
         rows: list[int] = []
-        states: list[_SeqState] = []
-        for row, item in enumerate(batch.items):
+        states: list[_StreamState] = []
+        for row, item in enumerate(out.items):
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
             seq = item.seq
@@ -320,7 +323,7 @@ class Engine:
         if not states:
             return
         assert logits is not None
-        out = self.sampling.sample(
+        sampled = self.sampling.sample(
             logits,
             rows,
             [st.seq.request.params for st in states],
@@ -330,15 +333,14 @@ class Engine:
         )
         per_request: dict[str, list[CompletionDelta]] = {}
         for i, st in enumerate(states):
-            lp = None
-            if out.logprobs[i] is not None:
-                lp = TokenLogprob(int(out.token_ids[i]), out.logprobs[i], out.top_logprobs[i])
-            delta = self._accept(st, int(out.token_ids[i]), lp)
+            token, logprob = int(sampled.token_ids[i]), sampled.logprobs[i]
+            lp = None if logprob is None else TokenLogprob(token, logprob, sampled.top_logprobs[i])
+            delta = self._accept(st, token, lp)
             per_request.setdefault(st.seq.request.request_id, []).append(delta)
         for rid, deltas in per_request.items():
             self._emit(self._requests[rid], deltas)
 
-    def _accept(self, st: _SeqState, token: int, lp: TokenLogprob | None) -> CompletionDelta:
+    def _accept(self, st: _StreamState, token: int, lp: TokenLogprob | None) -> CompletionDelta:
         """Append a sampled token, run the stop checks, and return what to stream."""
         seq = st.seq
         p = seq.request.params
@@ -384,18 +386,13 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: every live request gets the error and its KV is freed."""
+        self.scheduler.abort_all()
         for rid, state in list(self._requests.items()):
-            # The runner may be in a bad state after the error: free what it lets us free.
-            with contextlib.suppress(Exception):
-                self.scheduler.abort_request(rid)
             with self._inbox_lock:
                 self._live_ids.discard(rid)
             state.sink(error)
-        # Whatever could not be aborted cleanly must not be scheduled again without an owner.
         self._requests.clear()
         self._by_seq.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
 
     # -- sync convenience and stats ------------------------------------------------------------
 
