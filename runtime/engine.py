@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from tallow.runtime.detokenizer import IncrementalDetokenizer, byte_level_pieces
+from tallow.runtime.completion_stream import CompletionStream
+from tallow.runtime.detokenizer import byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
     EngineStats,
-    FinishReason,
     Request,
     RequestOutput,
     SchedulerOutput,
@@ -34,11 +34,10 @@ from tallow.runtime.request import (
     TokenLogprob,
     Usage,
 )
-from tallow.runtime.sampler import Sampler, make_generator
+from tallow.runtime.sampler import Sampler
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
 from tallow.runtime.step_sampling import Histories, StepSampler
-from tallow.runtime.stop_strings import StopStringMatcher
 
 __all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
 
@@ -47,20 +46,10 @@ Sink = Callable[["RequestOutput | BaseException"], None]
 
 
 @dataclass
-class _StreamState:
-    """A sequence's per-stream state: its sampling generator, detokenizer and stop matcher."""
-
-    seq: SequenceState
-    generator: np.random.Generator | None
-    detok: IncrementalDetokenizer | None
-    stop: StopStringMatcher
-
-
-@dataclass
 class _ReqState:
     request: Request
     sink: Sink
-    seqs: dict[int, _StreamState] = field(default_factory=dict)  # by completion index
+    seqs: dict[int, CompletionStream] = field(default_factory=dict)  # by completion index
     completion_tokens: int = 0
     cached_tokens: int | None = None  # fixed at the first sample
     num_finished: int = 0
@@ -96,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(runner, scheduler_config)
         self.sampling = StepSampler(runner, Sampler())
         self._requests: dict[str, _ReqState] = {}  # step-thread only
-        self._by_seq: dict[int, _StreamState] = {}  # seq_id -> state, step-thread only
+        self._by_seq: dict[int, CompletionStream] = {}  # seq_id -> state, step-thread only
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._live_ids: set[str] = set()  # guarded by _inbox_lock; rejects duplicate ids
@@ -271,19 +260,7 @@ class Engine:
         self._prompt_tokens += len(prompt)
 
     def _track(self, state: _ReqState, seq: SequenceState) -> None:
-        p = state.request.params
-        if p.seed is None or seq.index == 0:
-            gen = make_generator(p.seed)
-        else:  # siblings get distinct but reproducible streams
-            gen = np.random.default_rng((p.seed % (1 << 64), seq.index))
-        detok = (
-            IncrementalDetokenizer(
-                self.tokenizer, state.request.prompt_token_ids, byte_pieces=self._byte_pieces
-            )
-            if self.tokenizer is not None
-            else None
-        )
-        st = _StreamState(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
+        st = CompletionStream.open(seq, self.tokenizer, self._byte_pieces)
         state.seqs[seq.index] = st
         self._by_seq[seq.seq_id] = st
 
@@ -305,7 +282,7 @@ class Engine:
 
     def _postprocess(self, out: SchedulerOutput, logits: np.ndarray | None) -> None:
         rows: list[int] = []
-        states: list[_StreamState] = []
+        states: list[CompletionStream] = []
         for row, item in enumerate(out.items):
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
@@ -340,37 +317,17 @@ class Engine:
         for rid, deltas in per_request.items():
             self._emit(self._requests[rid], deltas)
 
-    def _accept(self, st: _StreamState, token: int, lp: TokenLogprob | None) -> CompletionDelta:
-        """Append a sampled token, run the stop checks, and return what to stream."""
-        seq = st.seq
-        p = seq.request.params
-        state = self._requests[seq.request.request_id]
+    def _accept(self, st: CompletionStream, token: int, lp: TokenLogprob | None) -> CompletionDelta:
+        """Append a sampled token, count it, and retire its sequence if it finished."""
+        state = self._requests[st.seq.request.request_id]
         if state.cached_tokens is None:
-            state.cached_tokens = seq.num_cached_tokens
-        seq.token_ids.append(token)
+            state.cached_tokens = st.seq.num_cached_tokens
         state.completion_tokens += 1
         self._generated_tokens += 1
-        delta = CompletionDelta(index=seq.index, logprobs=[] if p.logprobs else None)
-        reason: FinishReason | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"  # the stop token itself is not part of the returned completion
-        else:
-            delta.token_ids.append(token)
-            if delta.logprobs is not None and lp is not None:
-                delta.logprobs.append(lp)
-            text = st.detok.push(token) if st.detok is not None else ""
-            delta.text, matched = st.stop.feed(text)
-            if matched:
-                reason = "stop"
-        if reason is None and seq.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        if reason is not None:
-            if not st.stop.stopped:
-                tail = st.detok.flush() if st.detok is not None else ""
-                delta.text += st.stop.feed(tail)[0] + st.stop.flush()
-            delta.finish_reason = reason
-            self.scheduler.finish(seq, reason)
-            self._by_seq.pop(seq.seq_id, None)
+        delta = st.accept(token, lp, self.eos_token_ids)
+        if delta.finish_reason is not None:
+            self.scheduler.finish(st.seq, delta.finish_reason)
+            self._by_seq.pop(st.seq.seq_id, None)
             state.num_finished += 1
         return delta
 
