@@ -72,8 +72,9 @@ class DeviceKind:
     # Of `memory_bytes` minus the weights, what the KV cache takes unless told: a CPU shares
     # its RAM with everything else, a GPU is the model's alone.
     default_memory_fraction: float
-    # The forward's output tensors are host memory: hand out numpy views, not device handles.
-    logits_on_host: bool
+    # Device memory is host memory: tensors pass to and from numpy through DLPack without
+    # copies (the forward hands out its logits as a numpy view, not a device handle).
+    shares_host_memory: bool
     # One running sequence decodes with `decode` (batch 1 built in, no row padding: 1.7x
     # faster matmuls on the CPU). GPU artifacts keep `batch_decode` until the CUDA-graph-
     # captured `decode` has been checked on a device.
@@ -94,7 +95,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         name="cpu",
         memory_bytes=available_ram,
         default_memory_fraction=0.25,
-        logits_on_host=True,
+        shares_host_memory=True,
         single_sequence_decode=True,
         sets_cpu_threads=True,
         probe=False,
@@ -103,7 +104,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         name="cuda",
         memory_bytes=_device_total_memory("cuda"),
         default_memory_fraction=0.9,
-        logits_on_host=False,
+        shares_host_memory=False,
         single_sequence_decode=False,
         sets_cpu_threads=False,
         batch_bound_detail="cuda_graph",
@@ -113,7 +114,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         name="metal",
         memory_bytes=_device_total_memory("metal"),
         default_memory_fraction=0.9,
-        logits_on_host=False,
+        shares_host_memory=False,
         single_sequence_decode=False,
         sets_cpu_threads=False,
     ),

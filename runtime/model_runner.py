@@ -223,7 +223,7 @@ class TVMModelRunner:
             raise ValueError("every forward item needs at least one token")
         logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
         self._last_logits = (logits, len(items))
-        if self.device_kind.logits_on_host:
+        if self.device_kind.shares_host_memory:
             # The logits already are host memory: a view (it keeps the tensor alive) instead
             # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
             return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
@@ -237,7 +237,7 @@ class TVMModelRunner:
         packed = controls.packed()
         view = tensor._create_view((rows, self.vocab_size))
         sample_tokens = self._funcs[SAMPLER_FUNCTION]
-        if self.device_kind.logits_on_host:
+        if self.device_kind.shares_host_memory:
             # numpy arrays pass through DLPack: no device tensors to create or copy into
             return np.from_dlpack(sample_tokens(view, packed))
         # One reused device buffer, one copy (a fresh tensor per input cost 25 us each).
