@@ -187,7 +187,7 @@ def _run_compile(args) -> int:
 
 
 def _run_generate(args) -> int:
-    from tallow.runtime.cli_generate import run_generate
+    from tallow.cli.generate import run_generate
 
     return run_generate(args)
 

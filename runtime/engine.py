@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ from tallow.runtime.request import (
 from tallow.runtime.sampler import Sampler
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
+from tallow.runtime.served_model import ServedModel
 from tallow.runtime.step_sampling import Histories, StepSampler
 
 __all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
@@ -99,6 +101,12 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._snapshot: EngineStats | None = None
+
+    @functools.cached_property
+    def model(self) -> ServedModel:
+        """The served model's tokenizer, chat template, EOS ids and limits, for front ends
+        (the server, the CLI), so they never reach into the runner. Built once, on first use."""
+        return ServedModel.from_runner(self.runner, self.tokenizer, self.eos_token_ids)
 
     # -- submitting ----------------------------------------------------------------------------
 

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import yaml
 
+from tallow.cli.generate import encode_prompt
 from tallow.cli.main import main
 from tallow.compiler.pipeline import CompileOptions, compile_model
 from tallow.compiler.quant import QUANT_TYPES, quantize
-from tallow.runtime.cli_generate import encode_prompt
 from tallow.runtime.generate import generate_tokens
 from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner, all_position_logits
 from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.served_model import ServedModel
 
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
 
@@ -133,7 +134,7 @@ def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa
     runners = [TVMModelRunner(a, kv=KVCacheConfig(1, 1024, 256)) for a in (native, f32)]
     exact = 0
     for prompt, chat in SMOL_PROMPTS:
-        ids = encode_prompt(runners[0], prompt, chat, None)
+        ids = encode_prompt(ServedModel.from_runner(runners[0]), prompt, chat, None)
         tokens = list(generate_tokens(runners[0], ids, params))
         seq = list(ids) + tokens
         got, want = (all_position_logits(r, seq) for r in runners)
