@@ -29,6 +29,7 @@ ACTIVATIONS = "int8_g32_row_step"
 
 def int8_kernel_for(func, vnni: bool = False):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
+    from tallow.compiler.quant import get_format
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules import cpu_int8_gemv
     from tallow.schedules.cpu_tiled import _static
@@ -44,6 +45,8 @@ def int8_kernel_for(func, vnni: bool = False):
     if k is None or n is None or k % cpu_int8_gemv.LANES or n % cpu_int8_gemv.N_CHUNK:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
+    if get_format(qtype).int8 is None:  # a format without int8 groups keeps its kernel
+        return None
     return cpu_int8_gemv.gemv_kernel(qtype, n, k, _static(x.shape[0]), vnni=vnni)
 
 
