@@ -15,6 +15,33 @@ from pathlib import Path
 from tallow.runtime.errors import TallowError
 
 
+def quant_format_names() -> tuple[str, ...]:
+    """The `--quant` names (floats, then the registered block formats)."""
+    from tallow.compiler.quant_plan import quant_choices
+
+    return quant_choices()
+
+
+class _FormatList:
+    """`--quant`'s names for its help text, read from the quant format registry only when
+    the help is shown: the compile-side modules stay unimported for the other commands."""
+
+    def __str__(self) -> str:
+        return ", ".join(quant_format_names())
+
+
+class _QuantOption(argparse.Action):
+    """A plain store action whose help can say `%(formats)s` (checked by the compiler's
+    `check_quant_option`, whose error lists the names)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.formats = _FormatList()
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
 def _add_compile(sub) -> None:
     # The registry of compile targets; importing it loads no TVM (backends import it lazily).
     from tallow.compiler.backends import BACKENDS
@@ -61,10 +88,10 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--quant",
+        action=_QuantOption,
         help=(
-            "weight format: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2k, q3k, q4k, q5k, "
-            "q6k (llama.cpp's block formats). Default: a GGUF keeps each tensor's own type; "
-            "other sources use --dtype"
+            "weight format: %(formats)s (floats, then block formats laid out as in GGUF). "
+            "Default: a GGUF keeps each tensor's own type; other sources use --dtype"
         ),
     )
     p.add_argument(
@@ -190,7 +217,7 @@ def _run_compile(args) -> int:
 
 
 def _run_generate(args) -> int:
-    from tallow.runtime.cli_generate import run_generate
+    from tallow.cli.generate import run_generate
 
     return run_generate(args)
 

@@ -24,10 +24,6 @@ from tallow.runtime.manifest import TokenizerInfo
 from .source import ModelSource, slug
 from .tokenizer_files import CHAT_TEMPLATE_FILE
 
-_TYPE_NAMES = {
-    "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q8_0": "q8_0",
-    "Q2_K": "q2k", "Q3_K": "q3k", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k",
-}  # fmt: skip
 QUANT_SUFFIX_RE = re.compile(r"[.-](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -38,12 +34,13 @@ def _gguf():
     return gguf
 
 
-def _supported_types() -> set:
+def supported_types() -> set:
+    """The GGML tensor types tallow reads: the floats and every registered block format's."""
+    from .quant import QUANT_FORMATS
+
     q = _gguf().GGMLQuantizationType
-    return {
-        q.F32, q.F16, q.BF16, q.Q4_0, q.Q4_1, q.Q5_0, q.Q5_1, q.Q8_0,
-        q.Q2_K, q.Q3_K, q.Q4_K, q.Q5_K, q.Q6_K,
-    }  # fmt: skip
+    blocks = {f.ggml_type for f in QUANT_FORMATS.values() if f.ggml_type is not None}
+    return {q.F32, q.F16, q.BF16, *blocks}
 
 
 def split_files(path: Path) -> list[Path]:
@@ -90,7 +87,10 @@ class GGUFCheckpoint:
 
     def source_type(self, name: str) -> str:
         """Our block-type name of a tensor ("q4_1", "q4k", ...), or "float"."""
-        return _TYPE_NAMES.get(self._tensors[name].tensor_type.name, "float")
+        from .quant import format_for_ggml_type
+
+        fmt = format_for_ggml_type(self._tensors[name].tensor_type)
+        return "float" if fmt is None else fmt.name
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's GGUF blocks as uint8 [rows, row_bytes], rows in HF order."""
@@ -206,7 +206,7 @@ def gguf_source(spec: str, path: Path) -> GGUFModelSource:
         arch = get_gguf_architecture(str(arch_name))
     except UnknownArchitectureError as e:
         raise ModelSourceError(f"{path}: {e}") from e
-    supported = _supported_types()
+    supported = supported_types()
     for r in readers:
         for t in r.tensors:
             if t.tensor_type not in supported:

@@ -33,6 +33,7 @@ ACTIVATIONS = "int8_g32_row_step"
 
 def int8_kernel_for(func, vnni: bool = False):
     """The int8-activation kernel replacing `func`, or None when `func` is not a decode matmul."""
+    from tallow.compiler.quant import get_format
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules.cpu import int8_gemv
     from tallow.schedules.tir_common import static_extent
@@ -48,6 +49,8 @@ def int8_kernel_for(func, vnni: bool = False):
     if k is None or n is None or k % int8_gemv.LANES or n % int8_gemv.N_CHUNK:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
+    if get_format(qtype).int8 is None:  # a format without int8 groups keeps its kernel
+        return None
     return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
 
 

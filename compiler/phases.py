@@ -15,7 +15,7 @@ from tallow.runtime.manifest import (
     FORMAT_VERSION,
     KVCacheInfo,
     Manifest,
-    ModelInfo,
+    ManifestModel,
     TargetInfo,
 )
 
@@ -138,7 +138,7 @@ def write_manifest(state: CompileState) -> str:
         format_version=FORMAT_VERSION,
         tallow_version=importlib.metadata.version("tallow"),
         tvm_version=importlib.metadata.version("apache-tvm"),
-        model=ModelInfo(
+        model=ManifestModel(
             name=src.name,
             architecture=state.architecture.hf_name,
             source=src.spec,

@@ -3,10 +3,11 @@
 * No `--quant` and a GGUF source: each weight keeps its own GGUF type (a mixed Q4_K_M file
   stays mixed). Fused parameters (q/k/v, gate/up) keep the type only when all their parts
   share it; otherwise, and for float tensors, the weight is dequantized to `--dtype`.
-* `--quant q4_0 … q6k`: every linear weight and the embedding take that format. A weight
-  whose row length is not a multiple of the block size (32, or 256 for K-quants) falls back
-  as llama.cpp does: q2k/q3k → q4_0, q4k → q5_0, q5k → q5_1, q6k → q8_0, and a legacy type
-  → q8_0; a row length not a multiple of 32 stays float.
+* `--quant q4_0 … q6k` (any registered format, `tallow.compiler.quant.QUANT_FORMATS`): every
+  linear weight and the embedding take that format. A weight whose row length is not a
+  multiple of the block size (32, or 256 for K-quants) takes the format's `fallback` as
+  llama.cpp does (q2k/q3k → q4_0, q4k → q5_0, q5k → q5_1, q6k → q8_0); a row length that
+  fits neither (for a legacy type: not a multiple of 32) stays float.
 * `--quant f32|f16|bf16` (or none with a float source): plain float weights.
 Norms and biases always stay float, as in llama.cpp.
 """
@@ -18,10 +19,9 @@ from dataclasses import dataclass, field
 
 from tallow.runtime.errors import TargetError
 
-from .quant import QUANT_TYPES
+from .quant import QUANT_FORMATS, get_format
 
 FLOAT_FORMATS = ("f32", "f16", "bf16")
-QUANT_CHOICES = (*FLOAT_FORMATS, *QUANT_TYPES)
 QUANTIZABLE = (
     "qkv_proj.weight",
     "o_proj.weight",
@@ -30,7 +30,6 @@ QUANTIZABLE = (
     "lm_head.weight",
     "embed_tokens.weight",
 )
-FALLBACK = {"q2k": "q4_0", "q3k": "q4_0", "q4k": "q5_0", "q5k": "q5_1", "q6k": "q8_0"}
 
 
 @dataclass
@@ -43,18 +42,20 @@ class QuantPlan:
         return self.types.get(name, "none")
 
 
+def quant_choices() -> tuple[str, ...]:
+    """The valid `--quant` names: the float formats, then every registered block format."""
+    return (*FLOAT_FORMATS, *QUANT_FORMATS)
+
+
 def check_quant_option(quant: str | None, dtype: str) -> None:
-    if quant is not None and quant not in QUANT_CHOICES:
-        raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(QUANT_CHOICES)}")
+    choices = quant_choices()
+    if quant is not None and quant not in choices:
+        raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(choices)}")
     if quant in FLOAT_FORMATS and quant != dtype:
         raise TargetError(
             f"--quant {quant} with --dtype {dtype}: float weights use the compute dtype; "
             f"pass --dtype {quant} instead"
         )
-
-
-def _fits(qtype: str, cols: int) -> bool:
-    return cols % QUANT_TYPES[qtype].block_size == 0
 
 
 def make_plan(
@@ -65,7 +66,7 @@ def make_plan(
     source_type,
 ) -> QuantPlan:
     """`shape_of(src)` is a source tensor's shape, `source_type(src)` its GGUF type name
-    (a QUANT_TYPES key) or "float"."""
+    (a QUANT_FORMATS key) or "float"."""
     check_quant_option(quant, dtype)
     plan = QuantPlan(label=dtype)
     targets = [p for p in weight_map if p.endswith(QUANTIZABLE)]
@@ -85,11 +86,11 @@ def make_plan(
     plan.label = quant
     for p in targets:
         cols = shape_of(weight_map[p][0])[-1]
-        fallback = FALLBACK.get(quant, "q8_0")
-        if _fits(quant, cols):
+        fmt = get_format(quant)
+        if fmt.fits(cols):
             plan.types[p] = quant
-        elif _fits(fallback, cols):
-            plan.types[p] = fallback
+        elif fmt.fallback is not None and get_format(fmt.fallback).fits(cols):
+            plan.types[p] = fmt.fallback
         if p in plan.types and all(source_type(s) == plan.types[p] for s in weight_map[p]):
             plan.reused.add(p)
     return plan

@@ -18,7 +18,7 @@ from tallow.runtime.manifest import ParamInfo
 from tallow.runtime.safetensors_io import SafetensorsError, SafetensorsFile, save_safetensors
 
 from .progress import Progress
-from .quant import QUANT_TYPES, quantize
+from .quant import get_format, quantize
 
 SHARD_BYTES = 1 << 30
 _NUMPY_DTYPES = {
@@ -67,7 +67,7 @@ def logical_shape(p: ParamSpec, qtype: str) -> tuple[int, ...]:
     """The float shape a parameter stands for (quantized ones are [rows, row_bytes])."""
     if qtype == "none":
         return tuple(p.shape)
-    qt = QUANT_TYPES[qtype]
+    qt = get_format(qtype)
     return (p.shape[0], p.shape[1] // qt.type_size * qt.block_size)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .devices import DEVICE_KINDS
 from .errors import ArtifactError
 from .manifest import Manifest
 from .safetensors_io import SafetensorsError, SafetensorsFile
@@ -57,7 +58,7 @@ def parse_device(spec: str | None, manifest: Manifest) -> tuple[str, int]:
     if spec is None:
         return manifest.target.kind, 0
     kind, _, index = spec.partition(":")
-    if kind not in ("cpu", "cuda", "metal") or (index and not index.isdigit()):
+    if kind not in DEVICE_KINDS or (index and not index.isdigit()):
         raise ArtifactError(f"bad device {spec!r}; expected cpu, cuda:N or metal:N")
     if kind != manifest.target.kind:
         raise ArtifactError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -21,24 +22,24 @@ from typing import Any
 
 import numpy as np
 
-from tallow.runtime.detokenizer import IncrementalDetokenizer, byte_level_pieces
+from tallow.runtime.completion_stream import CompletionStream
+from tallow.runtime.detokenizer import byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
     EngineStats,
-    FinishReason,
     Request,
     RequestOutput,
     SchedulerOutput,
+    SequenceState,
     TokenLogprob,
     Usage,
 )
-from tallow.runtime.request import Sequence as Seq
-from tallow.runtime.sampler import Sampler, make_generator
+from tallow.runtime.sampler import Sampler
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
+from tallow.runtime.served_model import ServedModel
 from tallow.runtime.step_sampling import Histories, StepSampler
-from tallow.runtime.stop_strings import StopStringMatcher
 
 __all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
 
@@ -47,18 +48,10 @@ Sink = Callable[["RequestOutput | BaseException"], None]
 
 
 @dataclass
-class _SeqState:
-    seq: Seq
-    generator: np.random.Generator | None
-    detok: IncrementalDetokenizer | None
-    stop: StopStringMatcher
-
-
-@dataclass
 class _ReqState:
     request: Request
     sink: Sink
-    seqs: dict[int, _SeqState] = field(default_factory=dict)  # by completion index
+    seqs: dict[int, CompletionStream] = field(default_factory=dict)  # by completion index
     completion_tokens: int = 0
     cached_tokens: int | None = None  # fixed at the first sample
     num_finished: int = 0
@@ -94,7 +87,7 @@ class Engine:
         self.scheduler = Scheduler(runner, scheduler_config)
         self.sampling = StepSampler(runner, Sampler())
         self._requests: dict[str, _ReqState] = {}  # step-thread only
-        self._by_seq: dict[int, _SeqState] = {}  # seq_id -> state, step-thread only
+        self._by_seq: dict[int, CompletionStream] = {}  # seq_id -> state, step-thread only
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._live_ids: set[str] = set()  # guarded by _inbox_lock; rejects duplicate ids
@@ -108,6 +101,12 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._snapshot: EngineStats | None = None
+
+    @functools.cached_property
+    def model(self) -> ServedModel:
+        """The served model's tokenizer, chat template, EOS ids and limits, for front ends
+        (the server, the CLI), so they never reach into the runner. Built once, on first use."""
+        return ServedModel.from_runner(self.runner, self.tokenizer, self.eos_token_ids)
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -246,9 +245,10 @@ class Engine:
         self._snapshot = self._collect_stats()
 
     def step(self) -> None:
-        batch = self.scheduler.schedule()
-        logits = self.runner.forward(batch.forward_items) if batch.items else None
-        self._postprocess(batch, logits)
+        """The scheduler decides, the runner executes, the engine samples and streams."""
+        out = self.scheduler.schedule()
+        logits = self.runner.forward(out.forward_items) if out.items else None
+        self._postprocess(out, logits)
 
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
@@ -267,20 +267,8 @@ class Engine:
         self._track(state, seq)
         self._prompt_tokens += len(prompt)
 
-    def _track(self, state: _ReqState, seq: Seq) -> None:
-        p = state.request.params
-        if p.seed is None or seq.index == 0:
-            gen = make_generator(p.seed)
-        else:  # siblings get distinct but reproducible streams
-            gen = np.random.default_rng((p.seed % (1 << 64), seq.index))
-        detok = (
-            IncrementalDetokenizer(
-                self.tokenizer, state.request.prompt_token_ids, byte_pieces=self._byte_pieces
-            )
-            if self.tokenizer is not None
-            else None
-        )
-        st = _SeqState(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
+    def _track(self, state: _ReqState, seq: SequenceState) -> None:
+        st = CompletionStream.open(seq, self.tokenizer, self._byte_pieces)
         state.seqs[seq.index] = st
         self._by_seq[seq.seq_id] = st
 
@@ -300,10 +288,10 @@ class Engine:
         state.num_finished = n
         self._emit(state, deltas)
 
-    def _postprocess(self, batch: SchedulerOutput, logits: np.ndarray | None) -> None:
+    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray | None) -> None:
         rows: list[int] = []
-        states: list[_SeqState] = []
-        for row, item in enumerate(batch.items):
+        states: list[CompletionStream] = []
+        for row, item in enumerate(out.items):
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
             seq = item.seq
@@ -320,7 +308,7 @@ class Engine:
         if not states:
             return
         assert logits is not None
-        out = self.sampling.sample(
+        sampled = self.sampling.sample(
             logits,
             rows,
             [st.seq.request.params for st in states],
@@ -330,45 +318,24 @@ class Engine:
         )
         per_request: dict[str, list[CompletionDelta]] = {}
         for i, st in enumerate(states):
-            lp = None
-            if out.logprobs[i] is not None:
-                lp = TokenLogprob(int(out.token_ids[i]), out.logprobs[i], out.top_logprobs[i])
-            delta = self._accept(st, int(out.token_ids[i]), lp)
+            token, logprob = int(sampled.token_ids[i]), sampled.logprobs[i]
+            lp = None if logprob is None else TokenLogprob(token, logprob, sampled.top_logprobs[i])
+            delta = self._accept(st, token, lp)
             per_request.setdefault(st.seq.request.request_id, []).append(delta)
         for rid, deltas in per_request.items():
             self._emit(self._requests[rid], deltas)
 
-    def _accept(self, st: _SeqState, token: int, lp: TokenLogprob | None) -> CompletionDelta:
-        """Append a sampled token, run the stop checks, and return what to stream."""
-        seq = st.seq
-        p = seq.request.params
-        state = self._requests[seq.request.request_id]
+    def _accept(self, st: CompletionStream, token: int, lp: TokenLogprob | None) -> CompletionDelta:
+        """Append a sampled token, count it, and retire its sequence if it finished."""
+        state = self._requests[st.seq.request.request_id]
         if state.cached_tokens is None:
-            state.cached_tokens = seq.num_cached_tokens
-        seq.token_ids.append(token)
+            state.cached_tokens = st.seq.num_cached_tokens
         state.completion_tokens += 1
         self._generated_tokens += 1
-        delta = CompletionDelta(index=seq.index, logprobs=[] if p.logprobs else None)
-        reason: FinishReason | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"  # the stop token itself is not part of the returned completion
-        else:
-            delta.token_ids.append(token)
-            if delta.logprobs is not None and lp is not None:
-                delta.logprobs.append(lp)
-            text = st.detok.push(token) if st.detok is not None else ""
-            delta.text, matched = st.stop.feed(text)
-            if matched:
-                reason = "stop"
-        if reason is None and seq.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        if reason is not None:
-            if not st.stop.stopped:
-                tail = st.detok.flush() if st.detok is not None else ""
-                delta.text += st.stop.feed(tail)[0] + st.stop.flush()
-            delta.finish_reason = reason
-            self.scheduler.finish(seq, reason)
-            self._by_seq.pop(seq.seq_id, None)
+        delta = st.accept(token, lp, self.eos_token_ids)
+        if delta.finish_reason is not None:
+            self.scheduler.finish(st.seq, delta.finish_reason)
+            self._by_seq.pop(st.seq.seq_id, None)
             state.num_finished += 1
         return delta
 
@@ -384,18 +351,13 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: every live request gets the error and its KV is freed."""
+        self.scheduler.abort_all()
         for rid, state in list(self._requests.items()):
-            # The runner may be in a bad state after the error: free what it lets us free.
-            with contextlib.suppress(Exception):
-                self.scheduler.abort_request(rid)
             with self._inbox_lock:
                 self._live_ids.discard(rid)
             state.sink(error)
-        # Whatever could not be aborted cleanly must not be scheduled again without an owner.
         self._requests.clear()
         self._by_seq.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
 
     # -- sync convenience and stats ------------------------------------------------------------
 

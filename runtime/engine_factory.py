@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .devices import device_kind
 from .engine import Engine
 from .errors import TallowError
 from .manifest import Manifest
@@ -49,28 +49,10 @@ def kv_bytes_per_token(manifest: Manifest) -> int:
     return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
 
 
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def _free_memory(manifest: Manifest, options: EngineOptions) -> int:
     """Memory the weights and the KV cache can share: available RAM, or the GPU's total."""
-    if manifest.target.kind == "cpu":
-        return _available_ram()
-    import tvm
-
     index = int((options.device or "x:0").partition(":")[2] or 0)
-    dev = tvm.runtime.device(manifest.target.kind, index)
-    if not dev.exist:
-        raise TallowError(f"no {manifest.target.kind} device {index} found")
-    return int(dev.total_global_memory)
+    return device_kind(manifest.target.kind).memory_bytes(index)
 
 
 def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int) -> KVPlan:
@@ -83,7 +65,7 @@ def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int)
     else:
         fraction = options.memory_fraction
         if fraction is None:
-            fraction = 0.9 if manifest.target.kind != "cpu" else 0.25
+            fraction = device_kind(manifest.target.kind).default_memory_fraction
         if not 0 < fraction <= 1:
             raise TallowError(f"--gpu-memory-fraction must be in (0, 1] (got {fraction})")
         budget = int(fraction * max(0, _free_memory(manifest, options) - weight_bytes))

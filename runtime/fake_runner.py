@@ -29,6 +29,8 @@ class _FakeSeq:
 
 
 class FakeModelRunner:
+    """Implements `model_runner_protocol.ModelRunner` (both its KV and its execute half)."""
+
     def __init__(
         self,
         *,
@@ -37,6 +39,7 @@ class FakeModelRunner:
         vocab_size: int = 101,
         context_window: int = 512,
         max_batch_size: int = 32,
+        prefill_chunk_size: int = 2048,
         seed: int = 0,
         device_sampling: bool = True,
     ) -> None:
@@ -45,6 +48,7 @@ class FakeModelRunner:
         self.vocab_size = vocab_size
         self.context_window = context_window
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_size = prefill_chunk_size  # most tokens per forward, as in TVM
         self._seed = seed
         self._refcount = [0] * num_pages
         self._page_tokens: list[list[int]] = [[] for _ in range(num_pages)]
@@ -178,6 +182,8 @@ class FakeModelRunner:
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
         if len(items) > self.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size")
+        if sum(len(toks) for _, toks in items) > self.prefill_chunk_size:
+            raise ValueError(f"forward carries more than {self.prefill_chunk_size} tokens")
         ids = [sid for sid, _ in items]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a sequence appears twice in one forward: {ids}")

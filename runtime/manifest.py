@@ -20,7 +20,9 @@ MANIFEST_NAME = "manifest.yaml"
 
 
 @dataclass
-class ModelInfo:
+class ManifestModel:
+    """The manifest's record of the compiled model: what it is and where it came from."""
+
     name: str
     architecture: str
     source: str  # what the user passed: a folder, a GGUF file or a hub id
@@ -73,7 +75,7 @@ class Manifest:
     format_version: int
     tallow_version: str
     tvm_version: str
-    model: ModelInfo
+    model: ManifestModel
     dtype: str
     quantization: str
     kv_cache: KVCacheInfo
@@ -113,7 +115,7 @@ class Manifest:
                 format_version=version,
                 tallow_version=raw["tallow_version"],
                 tvm_version=raw["tvm_version"],
-                model=ModelInfo(**raw["model"]),
+                model=ManifestModel(**raw["model"]),
                 dtype=raw["dtype"],
                 quantization=raw["quantization"],
                 kv_cache=KVCacheInfo(**raw["kv_cache"]),

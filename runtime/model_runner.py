@@ -6,7 +6,6 @@ Only `tvm.runtime` is used, so this works with `TVM_USE_RUNTIME_LIB=1`.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -23,6 +22,7 @@ from .artifact import (
     read_weights,
 )
 from .cpu_threads import configure_cpu_threads
+from .devices import device_kind, open_device
 from .errors import ArtifactError
 from .manifest import Manifest
 from .model_runner_protocol import SAMPLER_FUNCTION, SamplingControls
@@ -52,47 +52,6 @@ def _built_for(manifest: Manifest) -> str:
     details = manifest.target.details or {}
     archs = details.get("archs") or ([details["arch"]] if details.get("arch") else [])
     return " ".join([manifest.target.kind, "/".join(archs)]).strip()
-
-
-def _load_cuda_runtime(tvm, manifest: Manifest) -> None:
-    """Load TVM's CUDA device API (a separate library in runtime-only mode).
-
-    It links the driver library `libcuda.so.1`; on a machine without an NVIDIA driver the
-    loader refuses it, which we report as "no CUDA driver" instead of a loader message.
-    """
-    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
-        return
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise ArtifactError(
-            f"artifact built for {_built_for(manifest)}; no CUDA driver found on this machine "
-            f"(libcuda.so.1: {e})"
-        ) from e
-    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
-    try:
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise ArtifactError(f"cannot load TVM's CUDA runtime {lib.name} ({e})") from e
-
-
-def _device(tvm, kind: str, index: int, manifest: Manifest):
-    if kind == "cpu":
-        return tvm.cpu(index)
-    if kind == "cuda":
-        _load_cuda_runtime(tvm, manifest)
-        dev = tvm.cuda(index)
-    else:
-        dev = tvm.metal(index)
-    try:
-        exists = bool(dev.exist)
-    except Exception:  # the device API is not registered in this TVM build
-        exists = False
-    if not exists:
-        raise ArtifactError(
-            f"artifact built for {_built_for(manifest)}; no {kind.upper()} device {index} found"
-        )
-    return dev
 
 
 def _library_path(folder: Path, manifest: Manifest) -> Path:
@@ -157,7 +116,8 @@ class DeviceLogits:
 
 
 class TVMModelRunner:
-    """One loaded model and its KV cache (see `model_runner_protocol.ModelRunner`)."""
+    """One loaded model and its KV cache (see `model_runner_protocol.ModelRunner`: the KV
+    lifecycle half is called by the engine's `KVCacheManager` only)."""
 
     def __init__(
         self,
@@ -170,11 +130,12 @@ class TVMModelRunner:
         self.manifest = Manifest.read(self.folder)
         check_artifact_files(self.folder, self.manifest)
         kind, index = parse_device(device, self.manifest)
-        if kind == "cpu":
+        self.device_kind = device_kind(kind)
+        if self.device_kind.sets_cpu_threads:
             configure_cpu_threads(threads)  # before the first kernel runs
         tvm, tvm_vm = _load_tvm()
         self._tvm = tvm
-        self.device = _device(tvm, kind, index, self.manifest)
+        self.device = open_device(tvm, self.device_kind, index, _built_for(self.manifest))
         try:
             lib = tvm.runtime.load_module(str(_library_path(self.folder, self.manifest)))
         except Exception as e:  # TVM raises its own error types
@@ -192,7 +153,10 @@ class TVMModelRunner:
         self.page_size = int(self.manifest.kv_cache.page_size)
         kv = kv or KVCacheConfig()
         # CUDA artifacts plan batch_decode's memory for a bounded batch (CUDA graphs).
-        bound = (self.manifest.target.details or {}).get("cuda_graph", {}).get("max_batch_size")
+        bound = None
+        if self.device_kind.batch_bound_detail is not None:
+            details = (self.manifest.target.details or {}).get(self.device_kind.batch_bound_detail)
+            bound = (details or {}).get("max_batch_size")
         if bound and kv.max_batch_size > int(bound):
             log.info("max batch %d capped to the compiled bound %d", kv.max_batch_size, bound)
             kv = dataclasses.replace(kv, max_batch_size=int(bound))
@@ -259,7 +223,7 @@ class TVMModelRunner:
             raise ValueError("every forward item needs at least one token")
         logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
         self._last_logits = (logits, len(items))
-        if self.manifest.target.kind == "cpu":
+        if self.device_kind.shares_host_memory:
             # The logits already are host memory: a view (it keeps the tensor alive) instead
             # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
             return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
@@ -273,7 +237,7 @@ class TVMModelRunner:
         packed = controls.packed()
         view = tensor._create_view((rows, self.vocab_size))
         sample_tokens = self._funcs[SAMPLER_FUNCTION]
-        if self.manifest.target.kind == "cpu":
+        if self.device_kind.shares_host_memory:
             # numpy arrays pass through DLPack: no device tensors to create or copy into
             return np.from_dlpack(sample_tokens(view, packed))
         # One reused device buffer, one copy (a fresh tensor per input cost 25 us each).
@@ -296,10 +260,8 @@ class TVMModelRunner:
         self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
         try:
             if max(lengths) == 1 and len(positions) == len(items):
-                # One sequence on the CPU: `decode` has batch 1 built in, so its kernels carry
-                # no row padding (1.7x faster matmuls). GPU artifacts keep `batch_decode` until
-                # the CUDA-graph-captured `decode` has been checked on a device.
-                single = len(items) == 1 and self.manifest.target.kind == "cpu"
+                # One sequence: `decode` where the device kind says it pays (devices.py).
+                single = len(items) == 1 and self.device_kind.single_sequence_decode
                 name = "decode" if single else "batch_decode"
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)

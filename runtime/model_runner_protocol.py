@@ -4,6 +4,11 @@ The real implementation wraps TVM's paged KV cache (vm.builtin.kv_state_* plus t
 prefill/decode functions); `fake_runner.FakeModelRunner` implements it in numpy for tests.
 Keeping the engine behind this protocol means scheduling, prefix caching and preemption are
 testable without a compiled model.
+
+It comes in two halves: `KVBackend`, the cache's sequence lifecycle, which only the
+`KVCacheManager` calls (the scheduler asks the manager; it never touches the cache), and
+`ModelExecutor`, the forward and the sampler, which the engine calls with the scheduler's
+output. `ModelRunner` is both.
 """
 
 from __future__ import annotations
@@ -42,18 +47,17 @@ class SamplingControls:
 class OutOfPagesError(RuntimeError):
     """The KV cache was asked for more pages than it has free.
 
-    The scheduler predicts page use so this never happens; a runner raising it means the
+    The KV manager predicts page use so this never happens; a runner raising it means the
     accounting and the cache disagree, which is a bug rather than a load condition.
     """
 
 
 @runtime_checkable
-class ModelRunner(Protocol):
+class KVBackend(Protocol):
+    """The paged KV cache's sequence lifecycle. Only `kv_manager.KVCacheManager` calls it."""
+
     page_size: int  # tokens per KV page (16)
     num_pages: int  # total KV pages in the cache
-    vocab_size: int
-    context_window: int  # max tokens (prompt + output) per sequence
-    max_batch_size: int  # most items one forward() may carry
 
     def add_sequence(self, seq_id: int) -> None:
         """Register an empty sequence; holds no pages until tokens are appended."""
@@ -75,6 +79,24 @@ class ModelRunner(Protocol):
         """Drop the last `n` tokens of KV (only tokens on pages the sequence owns alone)."""
         ...
 
+    def num_free_pages(self) -> int:
+        """Pages not referenced by any sequence."""
+        ...
+
+
+@runtime_checkable
+class ModelExecutor(Protocol):
+    """Runs the model over sequences the KV backend already knows; what the engine calls."""
+
+    vocab_size: int
+    context_window: int  # max tokens (prompt + output) per sequence
+    max_batch_size: int  # most items one forward() may carry
+    # Most tokens one forward() may carry in total: TVM's cache sizes its per-forward buffers
+    # by it, so the scheduler's token budget per step never exceeds it.
+    prefill_chunk_size: int
+    # True when `sample` works: the artifact has the compiled sampler (older ones do not).
+    supports_device_sampling: bool
+
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
         """Append each item's tokens to its sequence's KV and run the model once.
 
@@ -83,13 +105,6 @@ class ModelRunner(Protocol):
         """
         ...
 
-    def num_free_pages(self) -> int:
-        """Pages not referenced by any sequence."""
-        ...
-
-    # True when `sample` works: the artifact has the compiled sampler (older ones do not).
-    supports_device_sampling: bool
-
     def sample(self, controls: SamplingControls) -> np.ndarray:
         """Token id (int) per row of the last forward's logits, drawn where the logits are.
 
@@ -97,6 +112,11 @@ class ModelRunner(Protocol):
         logits on the host. Must be called before the next forward.
         """
         ...
+
+
+@runtime_checkable
+class ModelRunner(KVBackend, ModelExecutor, Protocol):
+    """One loaded model with its KV cache: what `Engine` is built over."""
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -1,6 +1,6 @@
 """Requests and the sequences the scheduler moves between queues.
 
-A `Request` is what a client asked for; it owns `n` `Sequence`s (one per completion). A
+A `Request` is what a client asked for; it owns `n` `SequenceState`s (one per completion). A
 sequence's `token_ids` is prompt + generated so far and `num_computed_tokens` counts how many
 of those already have KV in the cache. Everything the scheduler does is phrased in those two
 numbers: the tokens to feed next are `token_ids[num_computed_tokens:]` (the whole prompt at
@@ -43,7 +43,10 @@ class Request:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
+    """One completion's tokens and where it stands (named so it does not shadow
+    `typing.Sequence`)."""
+
     seq_id: int  # the id under which the runner's KV cache knows this sequence
     request: Request
     index: int  # which of the request's n completions
@@ -54,8 +57,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Children still to fork once the prompt is prefilled (n > 1 on the first sequence only).
     pending_forks: int = 0
-    # Prefix-cache entry this sequence forked from; referenced until its KV is released.
-    prefix_entry: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     num_preemptions: int = 0
 
@@ -88,17 +89,20 @@ class Sequence:
 
 @dataclass
 class ScheduledItem:
-    seq: Sequence
+    seq: SequenceState
     token_ids: list[int]  # the tokens fed this step
     sample: bool  # the chunk ends at the last known token, so its logits give the next one
 
 
 @dataclass
 class SchedulerOutput:
+    """One step's decision, what crosses from the scheduler to the runner and the engine: the
+    runner runs `forward_items`, the engine samples the rows of items with `sample`."""
+
     items: list[ScheduledItem] = field(default_factory=list)
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
     new_pages: int = 0  # pages the runner will allocate while running this batch
 
     @property

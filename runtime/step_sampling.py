@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .model_runner_protocol import ModelRunner, SamplingControls
-from .request import Sequence as Seq
+from .model_runner_protocol import ModelExecutor, SamplingControls
+from .request import SequenceState
 from .sampler import Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ class Histories:
     """Each sequence's prompt (or output) token ids, built only for the rows that read them
     (rows with penalties): most steps have none, and slicing every prompt cost per step."""
 
-    def __init__(self, seqs: Sequence[Seq], prompt: bool) -> None:
+    def __init__(self, seqs: Sequence[SequenceState], prompt: bool) -> None:
         self.seqs, self.prompt = seqs, prompt
 
     def __getitem__(self, i: int) -> list[int]:
@@ -48,10 +48,10 @@ _BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
 class StepSampler:
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: ModelExecutor, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
-        self.on_device = bool(getattr(runner, "supports_device_sampling", False))
+        self.on_device = runner.supports_device_sampling
         self.device_rows = 0  # counters, for tests and benchmarks
         self.host_rows = 0
 

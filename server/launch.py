@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from .app import ServerOptions, create_app
-from .serving import ServerState
+from .context import ServerState
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,74 +1,50 @@
 """Turning API requests into engine inputs: prompts as token ids, and SamplingParams.
 
-Encoding follows `tallow generate`: plain text gets the tokenizer's special tokens (BOS),
-a rendered chat template does not, since the template already writes them where the model
-wants them.
+Encoding is `ServedModel`'s, shared with `tallow generate`: plain text gets the tokenizer's
+special tokens (BOS), a rendered chat template does not, since the template already writes
+them where the model wants them. This module words its errors as OpenAI 400s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from tallow.runtime.chat_template import ChatTemplate, ChatTemplateError
 from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.served_model import (
+    ChatTemplateError,
+    NoChatTemplateError,
+    ServedModel,
+    TokenIdError,
+)
 
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
 
 
-@dataclass
-class ModelInfo:
-    """What the server needs to know about the model behind the engine."""
-
-    tokenizer: Any  # tokenizers.Tokenizer
-    vocab_size: int
-    context_window: int
-    chat_template: ChatTemplate | None
-
-    @classmethod
-    def from_engine(cls, engine: Any) -> ModelInfo:
-        runner = engine.runner
-        # The TVM runner carries a TokenizerBundle (template, BOS/EOS); other runners may not.
-        bundle = getattr(runner, "tokenizer", None)
-        template = getattr(bundle, "chat_template", None)
-        chat = None
-        if template:
-            chat = ChatTemplate(template, bundle.bos_token, bundle.eos_token)
-        return cls(engine.tokenizer, int(runner.vocab_size), int(runner.context_window), chat)
-
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        if self.chat_template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        convo = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            text = self.chat_template.render(convo, add_generation_prompt=True)
-        except ChatTemplateError as e:
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
-        return self.encode_text(text, add_special_tokens=False)
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise bad_request(
-                    f"token id {t} is outside the vocabulary (size {self.vocab_size})",
-                    param,
-                    "invalid_token_id",
-                )
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+def encode_messages(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
+    """A conversation's prompt ids, through the same template rules as `tallow generate`."""
+    convo = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return model.encode_chat(convo)
+    except NoChatTemplateError:
+        raise bad_request(
+            "this model has no chat template; use /v1/completions", "messages"
+        ) from None
+    except ChatTemplateError as e:
+        raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
 
 
-def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int]]:
+def check_token_ids(model: ServedModel, ids: list[int], param: str) -> None:
+    try:
+        model.check_token_ids(ids)
+    except TokenIdError as e:
+        raise bad_request(str(e), param, "invalid_token_id") from None
+
+
+def completion_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
-        prompts = [info.encode_text(p)]
+        prompts = [model.encode_text(p)]
     elif all(isinstance(x, str) for x in p):
-        prompts = [info.encode_text(x) for x in p]  # type: ignore[arg-type]
+        prompts = [model.encode_text(x) for x in p]  # type: ignore[arg-type]
     elif all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     else:
@@ -80,14 +56,14 @@ def completion_prompts(req: CompletionRequest, info: ModelInfo) -> list[list[int
     for ids in prompts:
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
-        info.check_token_ids(ids, "prompt")
+        check_token_ids(model, ids, "prompt")
     return prompts
 
 
 def sampling_params(
     req: _SamplingRequest,
     prompt_len: int,
-    info: ModelInfo,
+    model: ServedModel,
     max_tokens_cap: int,
     *,
     max_tokens: int | None,
@@ -97,19 +73,19 @@ def sampling_params(
     if max_tokens is None:
         # The rest of the context window, capped: if the prompt already fills it, ask for one
         # token so the engine's context check reports the overflow with its usual message.
-        max_tokens = max(1, min(max_tokens_cap, info.context_window - prompt_len))
+        max_tokens = max(1, min(max_tokens_cap, model.context_window - prompt_len))
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         try:
             tid = int(key)
         except ValueError:
             raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        info.check_token_ids([tid], "logit_bias")
+        check_token_ids(model, [tid], "logit_bias")
         if not -100.0 <= value <= 100.0:
             raise bad_request("logit_bias values must be between -100 and 100", "logit_bias")
         bias[tid] = value
     if req.stop_token_ids:
-        info.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        check_token_ids(model, req.stop_token_ids, "stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -132,16 +108,16 @@ def sampling_params(
 
 
 def chat_inputs(
-    req: ChatCompletionRequest, info: ModelInfo, cap: int
+    req: ChatCompletionRequest, model: ServedModel, cap: int
 ) -> tuple[list[list[int]], list[SamplingParams]]:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = info.encode_chat(req.messages)
+    ids = encode_messages(model, req.messages)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(
         req,
         len(ids),
-        info,
+        model,
         cap,
         max_tokens=max_tokens,
         logprobs=req.logprobs,
@@ -151,14 +127,14 @@ def chat_inputs(
 
 
 def completion_inputs(
-    req: CompletionRequest, info: ModelInfo, cap: int
+    req: CompletionRequest, model: ServedModel, cap: int
 ) -> tuple[list[list[int]], list[SamplingParams]]:
-    prompts = completion_prompts(req, info)
+    prompts = completion_prompts(req, model)
     params = [
         sampling_params(
             req,
             len(ids),
-            info,
+            model,
             cap,
             max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,

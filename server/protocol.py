@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300
@@ -103,13 +103,20 @@ class DetokenizeRequest(_Strict):
 
 
 # -- responses (plain models: they are built by us, never parsed from clients) ----------------
+#
+# Field order is the JSON key order clients see; optional fields dump as null unless a model
+# says otherwise (a chat delta omits what it does not carry, as OpenAI's does).
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(BaseModel):
@@ -123,10 +130,32 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# chat.completion / chat.completion.chunk
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token text's UTF-8 bytes (a token may be part of a character)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
 class ChatChoice(BaseModel):
     index: int
-    message: dict[str, Any]
-    logprobs: dict[str, Any] | None = None
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -139,10 +168,49 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class ChatDelta(BaseModel):
+    """What a stream chunk adds to a choice: the role once, first, then content pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None  # sent (null until the last chunk) only if asked for
+
+
+# text_completion (non-streaming bodies and stream chunks have the same shape)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token's text starts in the completion
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -153,3 +221,42 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None  # sent (null until the last chunk) only if asked for
+
+
+# the other routes
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tallow"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unavailable"]

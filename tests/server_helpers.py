@@ -42,7 +42,11 @@ class LiveServer:
 
 
 def start_server(artifact: Path, options: ServerOptions, **engine_kw) -> LiveServer:
-    engine = build_engine(artifact, EngineOptions(**engine_kw))
+    return serve_engine(build_engine(artifact, EngineOptions(**engine_kw)), options)
+
+
+def serve_engine(engine, options: ServerOptions) -> LiveServer:
+    """Serve an already built engine (a compiled artifact's, or one over the fake runner)."""
     app = create_app(engine, MODEL, options)
     port = free_port()
     server = make_server(app, "127.0.0.1", port, options)

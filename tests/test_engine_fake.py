@@ -332,9 +332,7 @@ def test_mixed_workload_under_pressure_matches_roomy_engine(seed):
     roomy = make_engine(num_pages=512, prefix=False)
     tight = make_engine(num_pages=40, max_num_batched_tokens=24, prefill_chunk_size=8)
     assert run(tight) == run(roomy)
-    sched = tight.scheduler
-    while sched._evict_one():
-        pass
+    tight.scheduler.kv.evict_all()
     assert tight.runner.num_free_pages() == tight.runner.num_pages
 
 

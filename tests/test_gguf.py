@@ -10,12 +10,13 @@ import pytest
 import torch
 from gguf_models import write_gguf
 
+from tallow.cli.generate import encode_prompt
 from tallow.cli.main import main
 from tallow.compiler.pipeline import CompileOptions, compile_model
-from tallow.runtime.cli_generate import encode_prompt
 from tallow.runtime.generate import generate_tokens
 from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.served_model import ServedModel
 
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
 
@@ -98,7 +99,7 @@ def test_smollm2_greedy_matches_transformers(smollm2_f32, smollm2_hf):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     cases = [(p, False) for p in SMOL_PLAIN] + [(p, True) for p in SMOL_CHAT]
     for prompt, chat in cases:
-        ids = encode_prompt(runner, prompt, chat, None)
+        ids = encode_prompt(ServedModel.from_runner(runner), prompt, chat, None)
         if chat:
             text = hf_tok.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True

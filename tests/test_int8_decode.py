@@ -17,9 +17,9 @@ from tvm.relax.frontend import nn
 from tvm.target import Target
 
 from tallow.compiler.int8_decode_pass import int8_decode_kernels
-from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.compiler.target import BuildReport, resolve_target
-from tallow.model_defs.quant_ops import BLOCK, QuantLinear
+from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
 
 TARGET = resolve_target("cpu", "f32").tvm()
@@ -34,7 +34,7 @@ def _weights(qtype: str, n: int, k: int, seed: int):
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.7 + 0.1
     w[:, ::37] *= 4.0  # heavy-ish tails, and an offset for the formats' mins
     blocks = quantize(w, qtype)
-    deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
+    deq = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type).reshape(n, k)
     return blocks, deq.astype(np.float64)
 
 
@@ -117,24 +117,24 @@ def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
     assert np.abs(got.reshape(float_ref.shape) - float_ref).max() > 1e-3
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK))
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_gemv_matches_numpy(qtype):
     """Every format, one static row (`decode`): the single-row kernel."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     x = _activations(1, k, seed=2)
     _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK))
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
     and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); for the formats with column tiles
     (`cpu.int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
     one of 16 then one of 3."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None))
@@ -144,12 +144,12 @@ def test_batched_matches_numpy(qtype):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", list(BLOCK))
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_vnni_tiles_match_numpy(qtype):
     """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
     CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
     ones and a rest (19, 33), and 64 output columns: four 16-column blocks."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=21)
     kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
@@ -162,7 +162,7 @@ def test_vnni_tiles_match_numpy(qtype):
 def test_row_tiles_without_column_tiles(qtype):
     """The row tiles at batches the column tiles take over for these formats (their 8-row
     tiles run only for the formats without column tiles otherwise)."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=5)
     kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, column_tiles=False))
@@ -171,14 +171,14 @@ def test_row_tiles_without_column_tiles(qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK))
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_batched_at_extreme_codes(qtype):
     """Weight groups at their largest codes against full-scale activations of the same
     signs: the sums reach the int16 and int32 bounds the kernels add within (every group's
     multiplier is the largest, 32767). An overflow would show as a huge error. Both the row
     tiles (5 sequences) and, where the format has them, the column tiles (16); on CPUs with
     AVX-512 VNNI its tiles too (q8_0's -128 and 127 are its flipped codes' ends)."""
-    k = 96 if BLOCK[qtype][0] == 32 else 512
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 16
     rng = np.random.default_rng(11)
     signs = rng.choice([-1.0, 1.0], size=(4, k))
@@ -187,7 +187,7 @@ def test_batched_at_extreme_codes(qtype):
     w[4:8, ::32] = 0.0  # offset formats: one low weight per group puts the rest at the top
     w[12:, 5::32] = 0.0
     blocks = quantize(w, qtype)
-    deq = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type).reshape(n, k)
+    deq = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type).reshape(n, k)
     kernels = {"avx2": _build(int8_gemv.gemv_kernel(qtype, n, k, None))}
     if HAS_VNNI:
         kernels["vnni"] = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))

@@ -18,10 +18,9 @@ from tvm import relax, s_tir, te
 from tvm.relax.frontend import nn
 from tvm.target import Target
 
-from tallow.compiler.quant import QUANT_TYPES, quantize
+from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.compiler.relax_pipeline import fusion_passes, vm_lowering_passes
 from tallow.model_defs.quant_ops import (
-    BLOCK,
     QuantEmbedding,
     QuantLinear,
     dequantize_te,
@@ -29,7 +28,7 @@ from tallow.model_defs.quant_ops import (
 )
 from tallow.schedules.cpu import quant as cpu_quant
 
-TYPES = list(BLOCK)
+TYPES = list(QUANT_FORMATS)
 TARGET = Target({"kind": "llvm"})
 
 
@@ -42,7 +41,7 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
 
 
 def _gguf_dequant(blocks: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
-    out = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type)
+    out = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type)
     return np.asarray(out, dtype=np.float32).reshape(rows, cols)
 
 
@@ -112,7 +111,7 @@ def _check_one_kernel(fused, scheduled):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_quant_linear_fused_matches_numpy(qtype):
-    _check_linear(qtype, 256 + 48 if BLOCK[qtype][0] == 32 else 256)
+    _check_linear(qtype, 256 + 48 if QUANT_FORMATS[qtype].block_size == 32 else 256)
 
 
 @pytest.mark.parametrize("n", [200, 40])

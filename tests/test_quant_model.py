@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import yaml
 
+from tallow.cli.generate import encode_prompt
 from tallow.cli.main import main
 from tallow.compiler.pipeline import CompileOptions, compile_model
-from tallow.compiler.quant import QUANT_TYPES, quantize
-from tallow.runtime.cli_generate import encode_prompt
+from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.runtime.generate import generate_tokens
 from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner, all_position_logits
 from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.served_model import ServedModel
 
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
 
@@ -52,7 +53,7 @@ def dequantized_twin(src, dst, types: dict[str, str]):
         qtype = types.get(ours, "none")
         if qtype != "none":
             blocks = quantize(w.astype(np.float32), qtype)
-            weights[name] = gguf.quants.dequantize(blocks, QUANT_TYPES[qtype].ggml_type)
+            weights[name] = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type)
     save_file(weights, str(dst / "model.safetensors"))
     return dst
 
@@ -85,7 +86,7 @@ def test_quantized_weight_bytes(tiny_model_dir, tmp_path):
     )
     for p in manifest_of(art)["params"]:
         if p["quant"] != "none":
-            qt = QUANT_TYPES[p["quant"]]
+            qt = QUANT_FORMATS[p["quant"]]
             rows, row_bytes = p["shape"]
             cols = row_bytes * qt.block_size // qt.type_size
             assert row_bytes * rows * 8 / (rows * cols) == pytest.approx(qt.bits_per_weight)
@@ -133,7 +134,7 @@ def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa
     runners = [TVMModelRunner(a, kv=KVCacheConfig(1, 1024, 256)) for a in (native, f32)]
     exact = 0
     for prompt, chat in SMOL_PROMPTS:
-        ids = encode_prompt(runners[0], prompt, chat, None)
+        ids = encode_prompt(ServedModel.from_runner(runners[0]), prompt, chat, None)
         tokens = list(generate_tokens(runners[0], ids, params))
         seq = list(ids) + tokens
         got, want = (all_position_logits(r, seq) for r in runners)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 
-from tallow.compiler.quant import QUANT_TYPES, dequantize, quantize
+from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
 
 LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 KQUANTS = ["q2k", "q3k", "q4k", "q5k", "q6k"]
@@ -70,17 +70,17 @@ DATA_NAMES = list(_datasets(32))
 
 
 def _gguf_type(name: str) -> gguf.GGMLQuantizationType:
-    return QUANT_TYPES[name].ggml_type
+    return QUANT_FORMATS[name].ggml_type
 
 
 def test_quant_types_metadata():
-    assert list(QUANT_TYPES) == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *KQUANTS]
-    for name, qt in QUANT_TYPES.items():
+    assert list(QUANT_FORMATS) == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *KQUANTS]
+    for name, qt in QUANT_FORMATS.items():
         assert qt.name == name
         assert (qt.block_size, qt.type_size) == GGML_QUANT_SIZES[qt.ggml_type]
         assert qt.bits_per_weight == pytest.approx(qt.type_size * 8 / qt.block_size)
-    assert QUANT_TYPES["q4k"].bits_per_weight == 4.5
-    assert QUANT_TYPES["q6k"].bits_per_weight == 6.5625
+    assert QUANT_FORMATS["q4k"].bits_per_weight == 4.5
+    assert QUANT_FORMATS["q6k"].bits_per_weight == 6.5625
 
 
 @pytest.mark.parametrize("data", DATA_NAMES)
@@ -97,7 +97,7 @@ def test_legacy_bit_exact_with_gguf(name, data):
 @pytest.mark.parametrize("data", DATA_NAMES)
 @pytest.mark.parametrize("name", ALL)
 def test_dequantize_matches_gguf(name, data):
-    qt = QUANT_TYPES[name]
+    qt = QUANT_FORMATS[name]
     x = _datasets(qt.block_size)[data]
     blocks = quantize(x, name)
     assert blocks.shape == (x.size // x.shape[-1], x.shape[-1] // qt.block_size * qt.type_size)
@@ -121,7 +121,7 @@ def test_roundtrip_error_bound(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_special_blocks(name):
-    qt = QUANT_TYPES[name]
+    qt = QUANT_FORMATS[name]
     z = np.zeros((2, 2 * qt.block_size), np.float32)
     assert not dequantize(quantize(z, name), name, z.shape).any()
     for c in (0.75, -1.25):
@@ -179,7 +179,7 @@ def test_kquant_search_beats_round_to_nearest(name, dist):
 
 @pytest.mark.parametrize("name", ["q4_0", "q4k"])
 def test_row_length_not_multiple_of_block(name):
-    bs = QUANT_TYPES[name].block_size
+    bs = QUANT_FORMATS[name].block_size
     x = np.zeros((3, bs + 16), np.float32)
     with pytest.raises(ValueError, match=rf"\(3, {bs + 16}\).*block size {bs}"):
         quantize(x, name)

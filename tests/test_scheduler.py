@@ -13,7 +13,12 @@ import pytest
 
 from tallow.runtime.fake_runner import FakeModelRunner
 from tallow.runtime.model_runner_protocol import ModelRunner, OutOfPagesError
-from tallow.runtime.request import ContextLengthExceededError, Request, SchedulerOutput, Sequence
+from tallow.runtime.request import (
+    ContextLengthExceededError,
+    Request,
+    SchedulerOutput,
+    SequenceState,
+)
 from tallow.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
 
@@ -34,7 +39,7 @@ def make(page_size=4, num_pages=64, prefix=False, **cfg) -> tuple[Scheduler, Fak
     return Scheduler(runner, config), runner
 
 
-def add(sched: Scheduler, prompt: list[int], max_tokens: int, rid: str = "") -> Sequence:
+def add(sched: Scheduler, prompt: list[int], max_tokens: int, rid: str = "") -> SequenceState:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = Request(rid or f"r{len(prompt)}", prompt, params, sched.next_arrival_index())
     return sched.add_request(req)
@@ -150,7 +155,7 @@ def test_preemption_takes_newest_first_and_is_transparent():
     sched, runner = make(num_pages=14, prefill_chunk_size=16)
     prompts = [prompt(8, 3 * i) for i in range(3)]
     seqs = [add(sched, p, 20, f"r{i}") for i, p in enumerate(prompts)]
-    preempted: list[Sequence] = []
+    preempted: list[SequenceState] = []
     while sched.has_work():
         batch = step(sched, runner)
         preempted += batch.preempted
@@ -220,8 +225,7 @@ def test_random_workload_matches_oracle_and_never_overallocates(seed):
     run(sched, runner)
     for s in seqs:
         assert s.output_token_ids == expected[s.request.request_id]
-    while sched.prefix_cache is not None and sched._evict_one():
-        pass
+    sched.kv.evict_all()
     assert runner.num_free_pages() == runner.num_pages
 
 
@@ -260,7 +264,7 @@ def test_a_big_cache_entry_never_blocks_a_request_that_fits():
     sched, runner = make(num_pages=12, prefix=True)
     a = add(sched, prompt(8), 32, "a")
     run(sched, runner)
-    assert runner.num_free_pages() == 3 and len(sched.prefix_cache) == 1
+    assert runner.num_free_pages() == 3 and len(sched.kv.prefix_cache) == 1
     # B shares one page with A but needs 6 pages to prefill: the entry must go, not B stall.
     b_prompt = prompt(4) + prompt(20, 50)
     b = add(sched, b_prompt, 20, "b")

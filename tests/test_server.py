@@ -17,7 +17,7 @@ import pytest
 from server_helpers import MODEL, free_port, metric, start_server, start_subprocess  # noqa: I001
 
 from tallow.server.app import ServerOptions
-from tallow.server.serving import ServerState
+from tallow.server.context import ServerState
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,4 +1,7 @@
-"""Vectorised numpy quantizers for llama.cpp's GGUF block formats.
+"""Weight block formats: the registry (`QUANT_FORMATS`) and numpy quantize / dequantize.
+
+Each format family is one package that registers its formats (`legacy`, `kquants`; see
+`format.QuantFormat` for what a format holds and `registry` for the table).
 
 ``quantize(array, name)`` turns a float array whose last dimension is a multiple of the type's
 block size into ``uint8[rows, row_bytes]`` laid out byte for byte as llama.cpp / GGUF store the
@@ -6,7 +9,7 @@ blocks; ``dequantize(blocks, name, shape)`` is the matching numpy decoder.
 
 The legacy types (q4_0, q4_1, q5_0, q5_1, q8_0) reproduce ``gguf.quants.quantize`` bit for bit.
 The K-quants (q2k..q6k) use a search for sub-block scales in the spirit of ggml's reference
-quantizers (see :mod:`.kquants`); their blocks decode with ``gguf.quants.dequantize``.
+quantizers (see :mod:`.kquants.scale_search`); their blocks decode with ``gguf.quants.dequantize``.
 """
 
 from __future__ import annotations
@@ -14,59 +17,35 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
-from . import kquants, legacy
+from . import kquants, legacy  # noqa: F401 - the families register their formats on import
+from .format import Int8Codes, Lazy, LeadingScale, QuantFormat
+from .registry import (
+    QUANT_FORMATS,
+    format_for_ggml_type,
+    get_format,
+    register_format,
+    unregister_format,
+)
 
-__all__ = ["QUANT_TYPES", "QuantType", "quantize", "dequantize"]
-
-
-@dataclass(frozen=True)
-class QuantType:
-    name: str
-    ggml_type: GGMLQuantizationType
-    block_size: int
-    type_size: int
-    bits_per_weight: float
-    quantize_blocks: Callable[[np.ndarray], np.ndarray]
-    dequantize_blocks: Callable[[np.ndarray], np.ndarray]
-
-
-def _qt(name, ggml_type, block_size, type_size, q, dq) -> QuantType:
-    return QuantType(name, ggml_type, block_size, type_size, type_size * 8 / block_size, q, dq)
-
-
-_T = GGMLQuantizationType
-QUANT_TYPES: dict[str, QuantType] = {
-    t.name: t
-    for t in (
-        _qt("q8_0", _T.Q8_0, 32, 34, legacy.quantize_q8_0, legacy.dequantize_q8_0),
-        _qt("q4_0", _T.Q4_0, 32, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0),
-        _qt("q4_1", _T.Q4_1, 32, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1),
-        _qt("q5_0", _T.Q5_0, 32, 22, legacy.quantize_q5_0, legacy.dequantize_q5_0),
-        _qt("q5_1", _T.Q5_1, 32, 24, legacy.quantize_q5_1, legacy.dequantize_q5_1),
-        _qt("q2k", _T.Q2_K, 256, 84, kquants.quantize_q2k, kquants.dequantize_q2k),
-        _qt("q3k", _T.Q3_K, 256, 110, kquants.quantize_q3k, kquants.dequantize_q3k),
-        _qt("q4k", _T.Q4_K, 256, 144, kquants.quantize_q4k, kquants.dequantize_q4k),
-        _qt("q5k", _T.Q5_K, 256, 176, kquants.quantize_q5k, kquants.dequantize_q5k),
-        _qt("q6k", _T.Q6_K, 256, 210, kquants.quantize_q6k, kquants.dequantize_q6k),
-    )
-}
+__all__ = [
+    "QUANT_FORMATS",
+    "Int8Codes",
+    "Lazy",
+    "LeadingScale",
+    "QuantFormat",
+    "dequantize",
+    "format_for_ggml_type",
+    "get_format",
+    "quantize",
+    "register_format",
+    "unregister_format",
+]
 
 # Blocks handled per numpy call: keeps the temporaries cache-sized and bounds peak memory.
 _CHUNK_WEIGHTS = 1 << 17
-
-
-def _lookup(name: str) -> QuantType:
-    qt = QUANT_TYPES.get(name)
-    if qt is None:
-        raise ValueError(
-            f"unknown quantization type {name!r}; valid names: {', '.join(QUANT_TYPES)}"
-        )
-    return qt
 
 
 def _map_chunks(fn: Callable[[np.ndarray], np.ndarray], src: np.ndarray, out: np.ndarray, n: int):
@@ -88,7 +67,7 @@ def _map_chunks(fn: Callable[[np.ndarray], np.ndarray], src: np.ndarray, out: np
 
 def quantize(array: np.ndarray, name: str) -> np.ndarray:
     """Quantize ``array`` (last dimension = row) to ``uint8[rows, row_bytes]``."""
-    qt = _lookup(name)
+    qt = get_format(name)
     array = np.asarray(array)
     if array.ndim == 0 or array.shape[-1] % qt.block_size != 0 or array.shape[-1] == 0:
         raise ValueError(
@@ -106,7 +85,7 @@ def quantize(array: np.ndarray, name: str) -> np.ndarray:
 
 def dequantize(blocks: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
     """Decode ``blocks`` (any shape holding the raw bytes) into float32 of ``shape``."""
-    qt = _lookup(name)
+    qt = get_format(name)
     shape = tuple(int(s) for s in shape)
     n = int(np.prod(shape)) if shape else 1
     if not shape or shape[-1] % qt.block_size != 0:

@@ -28,11 +28,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tallow.model_defs.quant_ops import row_bytes
+from tallow.compiler.quant.registry import get_format
 
 from . import int8_columns as columns
 from . import int8_vnni as vnni_columns
-from .int8_codes import LANES, SIGNED, group
+from .int8_codes import LANES, codes_of, group
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -64,14 +64,14 @@ def batched_kernel(
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
     `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
     batch takes the column tiles of `cpu_int8_vnni` (from one sequence on they beat these row
-    tiles). Otherwise, from `cpu_int8_columns.MIN_ROWS` sequences on, the formats listed
-    there take that module's column tiles; smaller batches and the other formats take whole
+    tiles). Otherwise, from their `column_tile_min_rows` sequences on, the formats that
+    have one take that module's column tiles; smaller batches and the other formats take whole
     tiles of `TILE_ROWS` sequences first, then the rest in tiles of `TAIL_ROWS` (a batch of
     4 pays for 4 rows, not 8). `column_tiles=False` keeps the row tiles (tests, benchmarks).
     Reached through `cpu_int8_gemv.gemv_kernel`, which checks the shape.
     """
     groups = k // LANES
-    rb = row_bytes(qtype, k)
+    rb = get_format(qtype).row_bytes(k)
     halves = offset_halves(qtype)
     B = tirx.Var("batch_size", "int64") if batch is None else tirx.const(batch, "int64")
     full = B // TILE_ROWS
@@ -81,8 +81,9 @@ def batched_kernel(
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
     vnni = vnni and column_tiles
-    use_columns = column_tiles and not vnni and qtype in columns.MIN_ROWS
-    min_columns = columns.MIN_ROWS.get(qtype, 0)
+    min_columns = codes_of(qtype).column_tile_min_rows
+    use_columns = column_tiles and not vnni and min_columns is not None
+    min_columns = min_columns or 0
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
     vnni_tile = vnni_columns.tile_macro(qtype, groups) if vnni else None
     # each group's multiplier times the row's step, as floats: only the VNNI tiles read them
@@ -190,7 +191,7 @@ def batched_kernel(
 
 def _tile_macro(qtype: str, groups: int, rows: int):
     """A macro: output column `n` for the `rows` sequences from `r0` (whole K)."""
-    signed = qtype in SIGNED
+    signed = codes_of(qtype).signed
     halves = offset_halves(qtype)
 
     @T.macro

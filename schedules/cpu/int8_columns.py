@@ -26,8 +26,9 @@ version was slower than the row tiles, 0.80 against 0.67 ms. Each group now pref
 same group of the next 8 rows. `benchmarks/decode_matmul.py --cold`, SmolLM2's q4_1 gate/up
 projection (3072 x 576), weights from memory, 2 threads: 16 sequences 0.658 -> 0.421 ms,
 8 sequences 0.355 -> 0.249 ms against the row tiles. The transpose costs a fixed amount per
-tile, so small batches keep the row tiles (`MIN_ROWS`). The activations are quantized as
-`cpu_int8_ops` documents; the results are those of the other kernels up to float summation
+tile, so small batches keep the row tiles (each format's `column_tile_min_rows`, in its
+family package under `compiler/quant/`). The activations are quantized as `cpu_int8_ops`
+documents; the results are those of the other kernels up to float summation
 order (tests: numpy on `gguf`'s dequantizers, and codes at the int16 / int32 bounds).
 """
 
@@ -36,34 +37,16 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tallow.model_defs.quant_ops import BLOCK
+from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import prefetch
-from .int8_codes import LANES, group
+from .int8_codes import LANES, codes_of, group
 from .int8_ops import M_MAX, MULT_LANES, offset_halves
 
 COLS = 8  # output columns per vector (int32 / float32 lanes)
 STEPS = LANES // 4  # 4-weight steps per group
 ROWS = 16  # sequences per tile: the transposed codes are reused this many times
 INT16_MAX = 32767
-# The largest (unsigned) code of each format with column tiles.
-MAX_CODE = {
-    "q4_0": 15,
-    "q4_1": 15,
-    "q2k": 3,
-    "q3k": 7,
-    "q4k": 15,
-    "q5k": 31,
-    "q6k": 63,
-}
-
-
-# Formats that gain, and the batch from which they do (one thread, 8 and 16 sequences, the
-# row tiles against these; q4_1 3072 x 576, the others 1024 x 2048): q4_0, q4_1, q4k, q2k
-# and q3k gain at 8 sequences (1.1-1.5x) and 16 (1.35-1.8x); q5k and q6k lose 2-10% at 8
-# and gain 1.3-1.45x at 12. q5_0 and q5_1 (their fifth bits cost a shuffle per column) and
-# q8_0 (its sign trick costs an instruction per step) do not gain, and keep the row tiles.
-MIN_ROWS = {"q4_0": 8, "q4_1": 8, "q4k": 8, "q2k": 8, "q3k": 8, "q5k": 12, "q6k": 12}
 
 
 def flush_steps(qtype: str) -> int:
@@ -71,7 +54,7 @@ def flush_steps(qtype: str) -> int:
 
     One step's lane is two products, code * activation, with |activation| <= 127.
     """
-    steps = INT16_MAX // (2 * 127 * MAX_CODE[qtype])
+    steps = INT16_MAX // (2 * 127 * codes_of(qtype).max_code)
     return max(s for s in (1, 2, 4, 8) if s <= steps)
 
 
@@ -83,7 +66,7 @@ def multiplier_in_int32(qtype: str) -> bool:
     it (`pmaddwd` by ones) and multiply it in float.
     """
     weights = LANES // offset_halves(qtype)
-    return M_MAX * weights * MAX_CODE[qtype] * 127 < 2**31
+    return M_MAX * weights * codes_of(qtype).max_code * 127 < 2**31
 
 
 def _c(i: int):
@@ -121,8 +104,8 @@ def transpose(vecs):
 
 
 # The legacy 4-bit formats keep a group's codes as 16 bytes after the f16 scale (and min):
-# byte i holds weight i (low nibble) and weight i + 16 (high nibble). Where they start:
-NIBBLE_CODES = {"q4_0": 2, "q4_1": 4}
+# byte i holds weight i (low nibble) and weight i + 16 (high nibble). Where they start is
+# the format's `Int8Codes.nibble_codes_at`.
 
 
 def nibble_steps(w, n0, g, block_bytes: int, start: int):
@@ -151,15 +134,15 @@ def nibble_steps(w, n0, g, block_bytes: int, start: int):
 
 
 # The legacy formats keep a group's f16 scale (and, for q4_1 / q5_1, the f16 min after it)
-# at the start of the block; the others' offset is the scale times this code shift.
-LEGACY_SHIFT = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0, "q4_1": None, "q5_1": None}
+# at the start of the block; the others' offset is the scale times a code shift (the
+# format's `Int8Codes.leading_scale`).
 
 
 def legacy_scales(w, n0, g, qtype: str, cols: int):
     """(scales, offsets) of rows `n0..n0+cols-1`'s group `g`, float32 x `cols`, for the
     legacy block formats: one 32-bit word per row holds the f16 scale and what follows it
     (the min, or a code)."""
-    block_bytes = BLOCK[qtype][1]
+    block_bytes = get_format(qtype).type_size
     words = [
         tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes], "uint8x4"))
         for c in range(cols)
@@ -168,7 +151,7 @@ def legacy_scales(w, n0, g, qtype: str, cols: int):
         f"float16x{2 * cols}", tirx.Shuffle(words, [_c(i) for i in range(cols)])
     )
     d = tirx.Cast(f"float32x{cols}", tirx.Shuffle([halves], [_c(2 * i) for i in range(cols)]))
-    shift = LEGACY_SHIFT[qtype]
+    shift = codes_of(qtype).leading_scale.code_shift
     if shift is None:  # d, then the min
         mins = tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(cols)])
         return d, tirx.Cast(f"float32x{cols}", mins)
@@ -181,10 +164,11 @@ def scales_macro(qtype: str, cols: int):
     formats whose halves differ). Legacy formats read them as vectors; the K-quants decode
     each row's."""
     halves = offset_halves(qtype)
+    leading_scale = codes_of(qtype).leading_scale is not None
 
     @T.macro
     def store(sc, w, n0, g):
-        if qtype in LEGACY_SHIFT:
+        if leading_scale:
             sv = T.meta_var(legacy_scales(w, n0, g, qtype, cols))
             sc[T.Ramp(0, 1, cols)] = sv[0]
             sc[T.Ramp(2 * cols, 1, cols)] = sv[1]
@@ -218,8 +202,9 @@ def tile_macro(qtype: str, groups: int):
     flush = min(flush_steps(qtype), half_steps)
     in_int32 = multiplier_in_int32(qtype)
 
-    block_weights, block_bytes = BLOCK[qtype]
-    nibbles = qtype in NIBBLE_CODES
+    block_weights, block_bytes = get_format(qtype).block_size, get_format(qtype).type_size
+    nibble_codes_at = codes_of(qtype).nibble_codes_at
+    nibbles = nibble_codes_at is not None
     store_scales = scales_macro(qtype, COLS)
 
     def prefetch_group(w, n, g):
@@ -288,7 +273,7 @@ def tile_macro(qtype: str, groups: int):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
             tr = T.meta_var(
-                nibble_steps(w, n0, g, block_bytes, NIBBLE_CODES[qtype])
+                nibble_steps(w, n0, g, block_bytes, nibble_codes_at)
                 if nibbles
                 else transpose([codes32(w, n0 + c, g) for c in range(COLS)])
             )

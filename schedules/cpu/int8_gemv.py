@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tallow.model_defs.quant_ops import BLOCK, row_bytes
+from tallow.compiler.quant.registry import get_format
 
-from .int8_codes import LANES, SIGNED, group
+from .int8_codes import LANES, codes_of, group
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -85,14 +85,14 @@ def gemv_kernel(
 
 def _row_kernel(qtype: str, n_out: int, k: int):
     groups = k // LANES
-    rb = row_bytes(qtype, k)
-    signed = qtype in SIGNED
+    rb = get_format(qtype).row_bytes(k)
+    signed = codes_of(qtype).signed
     halves = offset_halves(qtype)
     # two independent accumulator chains (even and odd groups) hide the FMA latency that
     # otherwise bounds the loop
     chains = 2 if groups % 2 == 0 else 1
     # K-quants: a whole super-block per iteration, so its scale bytes are loaded once
-    unroll = max(BLOCK[qtype][0] // LANES, chains)
+    unroll = max(get_format(qtype).block_size // LANES, chains)
     quantize = quantize_macro(groups, halves)
 
     @T.prim_func(s_tir=True, private=True)

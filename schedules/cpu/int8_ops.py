@@ -41,7 +41,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_common import add, lanes, maximum, reduce_lanes
-from .int8_codes import LANES, SIGNED, SPLIT_HALVES
+from .int8_codes import LANES, codes_of
 
 MULT_LANES = 16  # int16 lanes of xm per group: pmaddwd's second operand
 M_MAX = 32767  # the largest group's multiplier
@@ -50,7 +50,7 @@ N_CHUNK = 16  # output columns per parallel task
 
 def offset_halves(qtype: str) -> int:
     """Activation sums kept per group: 2 for the formats whose halves have their own offsets."""
-    return 2 if qtype in SPLIT_HALVES else 1
+    return 2 if codes_of(qtype).split_halves else 1
 
 
 def _vec(dtype: str, count: int) -> str:
@@ -137,7 +137,7 @@ def dot(codes, xq, xm, signed: bool):
 
 
 def code_type(qtype: str):
-    return T.int8x32 if qtype in SIGNED else T.uint8x32
+    return T.int8x32 if codes_of(qtype).signed else T.uint8x32
 
 
 def lane_scales(lo, hi):

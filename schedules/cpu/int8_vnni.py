@@ -28,11 +28,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tallow.model_defs.quant_ops import BLOCK
+from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import prefetch
-from .int8_codes import LANES, SIGNED, group
-from .int8_columns import NIBBLE_CODES, nibble_steps, scales_macro, transpose
+from .int8_codes import LANES, codes_of, group
+from .int8_columns import nibble_steps, scales_macro, transpose
 from .int8_ops import offset_halves
 
 COLS = 16  # output columns per vector (int32 / float32 lanes of a 512-bit register)
@@ -76,17 +76,18 @@ def _vpdpbusd(acc, codes, x):
 
 def step_vectors(w, n0, g, qtype: str):
     """8 int32x16: vector `s` holds unsigned codes `4s..4s+3` of group `g` of rows n0..n0+15."""
-    block_weights, block_bytes = BLOCK[qtype]
+    block_bytes = get_format(qtype).type_size
+    nibble_codes_at = codes_of(qtype).nibble_codes_at
 
     def half(first):
-        if qtype in NIBBLE_CODES:
-            return nibble_steps(w, first, g, block_bytes, NIBBLE_CODES[qtype])
+        if nibble_codes_at is not None:
+            return nibble_steps(w, first, g, block_bytes, nibble_codes_at)
         codes = [group(w, qtype, first + c, g).codes for c in range(HALF)]
         return transpose([tirx.reinterpret("int32x8", v) for v in codes])
 
     lo, hi = half(n0), half(n0 + HALF)
     steps = [_join(a, b, HALF) for a, b in zip(lo, hi, strict=True)]
-    if qtype in SIGNED:  # int8 codes as code + 128: flip each byte's sign bit
+    if codes_of(qtype).signed:  # int8 codes as code + 128: flip each byte's sign bit
         flip = tirx.Broadcast(tirx.const(-0x7F7F7F80, "int32"), COLS)  # 0x80808080
         steps = [v ^ flip for v in steps]
     return steps
@@ -101,7 +102,7 @@ def tile_macro(qtype: str, groups: int):
     """
     halves = offset_halves(qtype)
     per_scale = STEPS // halves  # steps under one weight scale
-    block_weights, block_bytes = BLOCK[qtype]
+    block_weights, block_bytes = get_format(qtype).block_size, get_format(qtype).type_size
     store_scales = scales_macro(qtype, COLS)
 
     def prefetch_group(w, n, g):

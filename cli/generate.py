@@ -1,0 +1,78 @@
+"""`tallow generate`: stream generated text to stdout, statistics to stderr.
+
+The prompt is encoded by the model's `ServedModel` bundle, the same code the server's chat
+and completions routes use, so a conversation gets the same token ids here and over HTTP.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tallow.runtime.detokenizer import IncrementalDetokenizer
+from tallow.runtime.errors import TallowError
+from tallow.runtime.generate import GenerationStats, generate_tokens
+from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+from tallow.runtime.sampling_params import SamplingParams, SamplingParamsError
+from tallow.runtime.served_model import ChatTemplateError, NoChatTemplateError, ServedModel
+
+
+def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    """The conversation `--chat` sends: an optional system message, then the prompt."""
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": prompt}]
+
+
+def encode_prompt(model: ServedModel, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """Prompt ids: the plain text with BOS, or (`chat`) the rendered chat template."""
+    if not chat:
+        return model.encode_text(prompt)
+    try:
+        return model.encode_chat(chat_messages(prompt, system))
+    except NoChatTemplateError:
+        raise TallowError("--chat: this artifact's model has no chat template") from None
+    except ChatTemplateError as e:
+        raise TallowError(f"--chat: the chat template rejected the messages: {e}") from e
+
+
+def run_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+    except SamplingParamsError as e:
+        raise TallowError(str(e)) from e
+    t_load = time.perf_counter()
+    runner = TVMModelRunner(
+        args.artifact,
+        device=args.device,
+        kv=KVCacheConfig(max_batch_size=1, max_total_tokens=0),
+        threads=args.threads,
+    )
+    load_seconds = time.perf_counter() - t_load
+    model = ServedModel.from_runner(runner)
+    prompt_ids = encode_prompt(model, prompt, args.chat, args.system)
+    detok = IncrementalDetokenizer(model.tokenizer, prompt_ids)
+    stats = GenerationStats()
+    try:
+        for token in generate_tokens(runner, prompt_ids, params, stats):
+            sys.stdout.write(detok.push(token))
+            sys.stdout.flush()
+    except ValueError as e:
+        raise TallowError(str(e)) from e
+    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.flush()
+    print(
+        f"load {load_seconds:.2f}s | prompt {stats.prompt_tokens} tokens, "
+        f"{stats.prefill_tok_s:.1f} tok/s | generated {stats.generated_tokens} tokens, "
+        f"{stats.decode_tok_s:.1f} tok/s | finish: {stats.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,108 @@
+"""`QuantFormat`: everything tallow knows about one weight block format, in one record.
+
+A format is registered once (`registry.register_format`, done by its family package:
+`legacy`, `kquants`) and every layer reads it from there: the numpy quantizer and decoder
+(`tallow.compiler.quant.quantize`), the `--quant` plan and its fallback, the GGUF reader's
+type table, the TE dequantize-matmul of `model_defs.quant_ops`, and the CPU int8-activation
+decode kernels of `schedules.cpu_int8_*`.
+
+The TIR pieces need TVM and the int8 group builders import `schedules`, which imports the
+registry: a family therefore names them with `Lazy(module, name)`, resolved on first call,
+so that numpy-only users never import TVM and the import graph has no cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# (byte, j) -> float32 TIR value of weight j of a block, `byte(offset)` reading the block's
+# bytes as int32 expressions (see `model_defs.quant_ops.dequant_value`).
+TirDecoder = Callable[[Callable[[Any], Any], Any], Any]
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """The function `name` of `module`, imported when first called."""
+
+    module: str
+    name: str
+
+    def resolve(self) -> Callable:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class LeadingScale:
+    """Every 32 weights start with an f16 scale `d` (the legacy formats). Column tiles then
+    load 8 or 16 rows' scales as one vector instead of decoding each row's group. The
+    offset is the f16 min stored right after `d` when `code_shift` is None, else
+    `d * code_shift` (the shift that makes the codes unsigned: q4_0 -8, q8_0 -128)."""
+
+    code_shift: float | None = None
+
+
+@dataclass(frozen=True)
+class Int8Codes:
+    """How the CPU int8-activation decode kernels (`schedules.cpu_int8_*`) read a format.
+
+    `group(row, sub)` returns a `schedules.cpu_int8_codes.Group`: 32 consecutive weights as
+    unsigned byte codes plus a scale and an offset per 16-weight half (`sub` is the group's
+    index inside a block larger than 32 weights, else 0). The block size must be a multiple
+    of 32. The other fields are what the kernels specialise on.
+    """
+
+    group: Callable
+    signed: bool = False  # codes are int8 (q8_0): the kernels use a sign trick
+    split_halves: bool = False  # the two 16-weight halves have their own scale and offset
+    max_code: int | None = None  # largest unsigned code; column tiles need it (int16 sums)
+    # Batch from which the AVX2 column tiles beat the row tiles; None: never (measured
+    # per format, see `schedules.cpu_int8_columns`). Column tiles need `max_code`.
+    column_tile_min_rows: int | None = None
+    nibble_codes_at: int | None = None  # legacy 4-bit codes' offset: transposed as bytes
+    leading_scale: LeadingScale | None = None
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One block format: `block_size` weights stored in `type_size` bytes.
+
+    Data is `uint8[rows, row_bytes]`, the blocks of a row back to back, byte for byte as
+    GGUF stores them when `ggml_type` is set (None: a format of our own).
+    """
+
+    name: str  # the `--quant` name and the manifest's ("q4_0", "q4k")
+    ggml_type: Any  # gguf.GGMLQuantizationType, or None
+    block_size: int
+    type_size: int
+    # [n_blocks, block_size] float32 -> [n_blocks, type_size] uint8, and back
+    quantize_blocks: Callable
+    dequantize_blocks: Callable
+    tir_decode: TirDecoder
+    # the format a `--quant` weight takes when its row length is not a multiple of
+    # `block_size` (llama.cpp's choice; its block size a proper divisor of ours); None: the
+    # weight stays float
+    fallback: str | None = None
+    int8: Int8Codes | None = None  # None: no int8-activation decode kernels
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.type_size * 8 / self.block_size
+
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of one row of `cols` weights."""
+        if cols % self.block_size:
+            raise ValueError(
+                f"{self.name}: row length {cols} is not a multiple of the block size "
+                f"{self.block_size}"
+            )
+        return cols // self.block_size * self.type_size
+
+    def fits(self, cols: int) -> bool:
+        """Whether rows of `cols` weights split into whole blocks."""
+        return cols % self.block_size == 0

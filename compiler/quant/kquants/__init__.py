@@ -1,0 +1,50 @@
+"""llama.cpp's K-quants: 256-weight super-block formats q2k, q3k, q4k, q5k and q6k.
+
+Registers them in `tallow.compiler.quant.registry`: numpy codec in `numpy_codec` (scale
+search in `scale_search`), TIR byte decoders in `tir_decode`, int8-kernel groups in
+`int8_groups` (the last two imported on first use, see `QuantFormat`).
+
+Fallbacks (a row length not a multiple of 256) are llama.cpp's: q2k/q3k -> q4_0,
+q4k -> q5_0, q5k -> q5_1, q6k -> q8_0.
+
+Column tiles (`column_tile_min_rows`, one thread, 1024 x 2048, against the row tiles): q2k,
+q3k and q4k gain from 8 sequences on (1.1-1.5x at 8, 1.35-1.8x at 16); q5k and q6k lose
+2-10% at 8 and gain 1.3-1.45x at 12.
+"""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as GGML
+
+from .. import legacy  # noqa: F401 - registers the legacy formats, our fallbacks
+from ..format import Int8Codes, Lazy, QuantFormat
+from ..registry import register_format
+from . import numpy_codec as codec
+
+_TIR = f"{__name__}.tir_decode"
+_INT8 = f"{__name__}.int8_groups"
+
+
+def _kquant(name, ggml_type, type_size, fallback, **int8) -> QuantFormat:
+    return QuantFormat(
+        name=name,
+        ggml_type=ggml_type,
+        block_size=256,
+        type_size=type_size,
+        quantize_blocks=getattr(codec, f"quantize_{name}"),
+        dequantize_blocks=getattr(codec, f"dequantize_{name}"),
+        tir_decode=Lazy(_TIR, name),
+        fallback=fallback,
+        int8=Int8Codes(group=Lazy(_INT8, name), **int8),
+    )
+
+
+# split_halves: 16-weight sub-blocks, so the two halves of a 32-weight group differ.
+for _fmt in (
+    _kquant("q2k", GGML.Q2_K, 84, "q4_0", split_halves=True, max_code=3, column_tile_min_rows=8),
+    _kquant("q3k", GGML.Q3_K, 110, "q4_0", split_halves=True, max_code=7, column_tile_min_rows=8),
+    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8),
+    _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tile_min_rows=12),
+    _kquant("q6k", GGML.Q6_K, 210, "q8_0", split_halves=True, max_code=63, column_tile_min_rows=12),
+):
+    register_format(_fmt)

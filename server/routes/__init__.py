@@ -1,0 +1,18 @@
+"""The API routes, one module per route group; `create_app` includes `ROUTERS`.
+
+Each path has exactly one home here (tests/test_server_routes.py checks the table).
+"""
+
+from fastapi import APIRouter
+
+from . import chat, completions, health, models, tokenize
+
+ROUTERS: tuple[APIRouter, ...] = (
+    chat.router,
+    completions.router,
+    models.router,
+    tokenize.router,
+    health.router,
+)
+
+__all__ = ["ROUTERS"]

@@ -1,0 +1,35 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from ..context import Context, json_body
+from ..formatters import ChatFormatter
+from ..generation import generate_response
+from ..prompts import chat_inputs
+from ..protocol import ChatCompletionRequest, ChatCompletionResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(
+    request: Request,
+    context: Context,
+    req: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
+) -> Response:
+    context.check_model(req.model)
+    prompts, params = chat_inputs(req, context.model, context.options.max_tokens_cap)
+    return await generate_response(
+        request,
+        context,
+        ChatFormatter(context.model, context.model_name),
+        prompts,
+        params,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
