@@ -87,7 +87,7 @@ class QuantLinear(nn.Module):
 
     The dequantization and the matmul are one `tensor_expr_op`, so they are born as one
     PrimFunc: no fusion pass is needed and W is never materialised in full precision once
-    `tallow.schedules.cpu_quant` (or dlight, which recognises the "dequantize" block) has put
+    `tallow.schedules.cpu.quant` (or dlight, which recognises the "dequantize" block) has put
     the dequantize block inside the reduction loop.
     """
 

@@ -4,7 +4,7 @@ A format is registered once (`registry.register_format`, done by its family pack
 `legacy`, `kquants`) and every layer reads it from there: the numpy quantizer and decoder
 (`tallow.compiler.quant.quantize`), the `--quant` plan and its fallback, the GGUF reader's
 type table, the TE dequantize-matmul of `model_defs.quant_ops`, and the CPU int8-activation
-decode kernels of `schedules.cpu_int8_*`.
+decode kernels of `schedules.cpu.int8_*`.
 
 The TIR pieces need TVM and the int8 group builders import `schedules`, which imports the
 registry: a family therefore names them with `Lazy(module, name)`, resolved on first call,
@@ -49,9 +49,9 @@ class LeadingScale:
 
 @dataclass(frozen=True)
 class Int8Codes:
-    """How the CPU int8-activation decode kernels (`schedules.cpu_int8_*`) read a format.
+    """How the CPU int8-activation decode kernels (`schedules.cpu.int8_*`) read a format.
 
-    `group(row, sub)` returns a `schedules.cpu_int8_codes.Group`: 32 consecutive weights as
+    `group(row, sub)` returns a `schedules.cpu.int8_codes.Group`: 32 consecutive weights as
     unsigned byte codes plus a scale and an offset per 16-weight half (`sub` is the group's
     index inside a block larger than 32 weights, else 0). The block size must be a multiple
     of 32. The other fields are what the kernels specialise on.
@@ -62,7 +62,7 @@ class Int8Codes:
     split_halves: bool = False  # the two 16-weight halves have their own scale and offset
     max_code: int | None = None  # largest unsigned code; column tiles need it (int16 sums)
     # Batch from which the AVX2 column tiles beat the row tiles; None: never (measured
-    # per format, see `schedules.cpu_int8_columns`). Column tiles need `max_code`.
+    # per format, see `schedules.cpu.int8_columns`). Column tiles need `max_code`.
     column_tile_min_rows: int | None = None
     nibble_codes_at: int | None = None  # legacy 4-bit codes' offset: transposed as bytes
     leading_scale: LeadingScale | None = None

@@ -1,14 +1,14 @@
 """Batched decode kernels for quantized weights: int8 activations, a tile of sequences.
 
 `batch_decode` multiplies one token per sequence by every weight matrix: `[batch, 1, K]`.
-The row kernel of `cpu_int8_gemv`, run over 4 sequences at a time, cost about 8 vector
+The row kernel of `int8_gemv`, run over 4 sequences at a time, cost about 8 vector
 instructions per 32-weight group and sequence; this one gets that to 4, what its integer
 dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier, a
-convert, an FMA with the weight scale; see `cpu_int8_ops`). SmolLM2's gate/up projection
+convert, an FMA with the weight scale; see `int8_ops`). SmolLM2's gate/up projection
 (q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
 schedule: 0.83 ms), to 0.41 ms with the multipliers, and 5-10% lower again with its scratch
 buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. From 8
-sequences on, the 4-bit and most K-quant formats now take `cpu_int8_columns`' tiles instead,
+sequences on, the 4-bit and most K-quant formats now take `int8_columns`' tiles instead,
 which spend about half the instructions per weight.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
@@ -18,7 +18,7 @@ which spend about half the instructions per weight.
 * the rows are quantized in parallel (serially, 16 rows of K = 1536 took 33 us of a
   0.2 ms kernel).
 
-The activations are quantized as `cpu_int8_ops` documents, into buffers padded to whole
+The activations are quantized as `int8_ops` documents, into buffers padded to whole
 tiles with zero rows, so the tile needs no bounds check; only the stores are guarded.
 Tests compare it with numpy on gguf's dequantizers, as the single-row kernel.
 """
@@ -63,12 +63,12 @@ def batched_kernel(
 
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
     `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
-    batch takes the column tiles of `cpu_int8_vnni` (from one sequence on they beat these row
+    batch takes the column tiles of `int8_vnni` (from one sequence on they beat these row
     tiles). Otherwise, from their `column_tile_min_rows` sequences on, the formats that
     have one take that module's column tiles; smaller batches and the other formats take whole
     tiles of `TILE_ROWS` sequences first, then the rest in tiles of `TAIL_ROWS` (a batch of
     4 pays for 4 rows, not 8). `column_tiles=False` keeps the row tiles (tests, benchmarks).
-    Reached through `cpu_int8_gemv.gemv_kernel`, which checks the shape.
+    Reached through `int8_gemv.gemv_kernel`, which checks the shape.
     """
     groups = k // LANES
     rb = get_format(qtype).row_bytes(k)
@@ -197,7 +197,7 @@ def _tile_macro(qtype: str, groups: int, rows: int):
     @T.macro
     def tile(w, n, r0, xq, xm, xr, xs, out, B):
         # stack arrays LLVM keeps in registers (not "local": a workspace allocation per
-        # column chunk; see cpu_int8_ops.quantize_macro)
+        # column chunk; see int8_ops.quantize_macro)
         acc = T.sblock_alloc_buffer((rows * 8,), "float32")
         off = T.sblock_alloc_buffer((rows,), "float32")
         for i in T.unroll(rows):

@@ -1,4 +1,4 @@
-"""Block formats as 32-weight groups of unsigned integer codes, for `cpu_int8_gemv`.
+"""Block formats as 32-weight groups of unsigned integer codes, for `int8_gemv`.
 
 The integer dot-product kernel multiplies 32 weight codes by 32 int8 activations with AVX2's
 `pmaddubsw` (unsigned x signed bytes). So every format is written here, per group `g` of 32

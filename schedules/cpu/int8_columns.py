@@ -1,9 +1,9 @@
 """Batched decode, column-vectorized: one vector holds 8 output columns of one sequence.
 
-(AVX2. CPUs with AVX-512 VNNI take `cpu_int8_vnni`'s 16-column tiles instead, built on the
+(AVX2. CPUs with AVX-512 VNNI take `int8_vnni`'s 16-column tiles instead, built on the
 transposes below.)
 
-`cpu_int8_batched`'s tiles keep a group's products in the lanes of one sequence's vector,
+`int8_batched`'s tiles keep a group's products in the lanes of one sequence's vector,
 so every group of every (sequence, column) pair ends in a `pmaddwd`, a convert and an FMA
 to fold those lanes and apply the group's scale: four vector instructions per 32 weights,
 at AVX2's limit. Here the 8 lanes are 8 output columns instead:
@@ -27,7 +27,7 @@ same group of the next 8 rows. `benchmarks/decode_matmul.py --cold`, SmolLM2's q
 projection (3072 x 576), weights from memory, 2 threads: 16 sequences 0.658 -> 0.421 ms,
 8 sequences 0.355 -> 0.249 ms against the row tiles. The transpose costs a fixed amount per
 tile, so small batches keep the row tiles (each format's `column_tile_min_rows`, in its
-family package under `compiler/quant/`). The activations are quantized as `cpu_int8_ops`
+family package under `compiler/quant/`). The activations are quantized as `int8_ops`
 documents; the results are those of the other kernels up to float summation
 order (tests: numpy on `gguf`'s dequantizers, and codes at the int16 / int32 bounds).
 """
@@ -194,7 +194,7 @@ def _pmaddwd(pairs, m):
 def tile_macro(qtype: str, groups: int):
     """A macro: columns `n0..n0+7` for `rows` (<= ROWS) sequences from `r0`, the whole K.
 
-    Arguments as `cpu_int8_batched`'s tiles: the weight buffer and the quantized activations
+    Arguments as `int8_batched`'s tiles: the weight buffer and the quantized activations
     (xq, xm, xr, xs), then `out`.
     """
     halves = offset_halves(qtype)
@@ -259,7 +259,7 @@ def tile_macro(qtype: str, groups: int):
 
     @T.macro
     def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
-        # stack arrays (not "local", see cpu_int8_ops.quantize_macro)
+        # stack arrays (not "local", see int8_ops.quantize_macro)
         acc = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
         off = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes

@@ -2,26 +2,26 @@
 
 What llama.cpp does on x86, as TensorIR: the activation row is quantized to int8 in groups
 of 32 (Q8_0's rule, with each group's scale kept as an int16 multiple of a step per row
-and the codes rounded against it: see `cpu_int8_ops`), then every 32-weight group of a row
+and the codes rounded against it: see `int8_ops`), then every 32-weight group of a row
 costs one `pmaddubsw` (32 unsigned weight codes times 32 int8 activations, pairwise summed to
 16 int16), one `pmaddwd` (to 8 int32, times the activations' multiplier), one convert and one
 FMA with the weight scale into 8 float partial sums; the row's step multiplies the total once.
 The formats' offsets (mins, the `-8` of q4_0, ...) multiply the group's activation sum, which
-the quantize step computes once. See `cpu_int8_codes` for how each format becomes codes.
+the quantize step computes once. See `int8_codes` for how each format becomes codes.
 
-Compared with the float schedule of `cpu_quant` (decode each weight to float, then an FMA:
+Compared with the float schedule of `quant` (decode each weight to float, then an FMA:
 about one instruction per weight), this is about half an instruction per weight; SmolLM2's
 q4_1 gate/up projection went from 0.35 to 0.14 ms.
 
 Numerics: the result is the exact dot product of the dequantized weights with the rounded
 activations, up to float32 summation order; tests compare it with
-`gguf.quants.dequantize(W)` times the activations rounded by `cpu_int8_ops`'s rule, written
+`gguf.quants.dequantize(W)` times the activations rounded by `int8_ops`'s rule, written
 again in numpy. Only decode uses it
-(one token per sequence); prefill keeps float activations (`cpu_tiled`), as its weights are
+(one token per sequence); prefill keeps float activations (`tiled`), as its weights are
 decoded once per tile of tokens and it is not bound by the per-weight decode cost.
 
 Needs AVX2 (`pmaddubsw`, `pmaddwd`, `psignb` on 256-bit vectors); `supported(target)` says.
-Batches on CPUs with AVX-512 VNNI go to `cpu_int8_vnni`'s tiles (`vnni=True`).
+Batches on CPUs with AVX-512 VNNI go to `int8_vnni`'s tiles (`vnni=True`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def gemv_kernel(
 
     `batch` is the static number of sequences, or None for a symbolic one (`batch_decode`).
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out). One sequence
-    gets the kernel below; more get the tiled kernel of `cpu_int8_batched`, whose column
-    tiles (`cpu_int8_columns`, or `cpu_int8_vnni` where `vnni`: the target has AVX-512 VNNI)
+    gets the kernel below; more get the tiled kernel of `int8_batched`, whose column
+    tiles (`int8_columns`, or `int8_vnni` where `vnni`: the target has AVX-512 VNNI)
     `column_tiles=False` turns off (benchmarks, tests).
     """
     if k % LANES or n_out % N_CHUNK:
@@ -116,7 +116,7 @@ def _row_kernel(qtype: str, n_out: int, k: int):
                     T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xm[0, :], xr[0], xs[:, 0])
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
                     n: T.let[T.int32] = nc * N_CHUNK + ni
-                    # stack arrays, not "local" (see cpu_int8_ops.quantize_macro)
+                    # stack arrays, not "local" (see int8_ops.quantize_macro)
                     acc = T.sblock_alloc_buffer((chains * 8,), "float32")
                     off = T.sblock_alloc_buffer((chains,), "float32")
                     for a in T.unroll(chains):

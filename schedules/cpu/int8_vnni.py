@@ -1,6 +1,6 @@
 """Batched decode column tiles for CPUs with AVX-512 VNNI: 16 output columns per vector.
 
-The AVX2 column tiles of `cpu_int8_columns` spend, per sequence, group and 8 columns, a
+The AVX2 column tiles of `int8_columns` spend, per sequence, group and 8 columns, a
 `pmaddubsw` per 4-weight step, int16 adds across steps, a `pmaddwd` by the activations'
 multiplier, a convert and an FMA: about 19 instructions. AVX-512 VNNI's `vpdpbusd` multiplies
 unsigned bytes by signed bytes and adds each lane's 4 products straight into an int32
@@ -10,12 +10,12 @@ convert, a multiply and two FMAs (the weight scale times the group's activation 
 the offset times the activation sum), into one float accumulator per sequence:
 
 * a group's codes for 16 columns are transposed once per tile of up to 16 sequences, as
-  two 8-column halves (`cpu_int8_columns.transpose` / `nibble_steps`) joined into 512-bit
+  two 8-column halves (`int8_columns.transpose` / `nibble_steps`) joined into 512-bit
   vectors: vector `s` holds weights `4s..4s+3` of each of the 16 columns;
 * no int16 sums, so no bound on the codes: every format takes these tiles, q8_0 included
   (its signed codes are flipped to unsigned, `code + 128`, and the `-128 * d` goes to the
   offset, which multiplies the activation sum the quantize step already computes);
-* the activations are quantized as for the other kernels (`cpu_int8_ops`), and a group's
+* the activations are quantized as for the other kernels (`int8_ops`), and a group's
   multiplier times the row's step is kept as one float per group (`steps`), which the
   weight scale multiplies: the result is the dot product of the same rounded activations.
 
@@ -98,7 +98,7 @@ def tile_macro(qtype: str, groups: int):
 
     Arguments: the weight buffer, the int8 activations `xq`, `steps` (float32 [rows, groups]:
     each group's multiplier times the row's step), the activation sums `xs` (as in
-    `cpu_int8_ops`), then `out`.
+    `int8_ops`), then `out`.
     """
     halves = offset_halves(qtype)
     per_scale = STEPS // halves  # steps under one weight scale
@@ -136,7 +136,7 @@ def tile_macro(qtype: str, groups: int):
 
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, out):
-        # stack arrays (not "local", see cpu_int8_ops.quantize_macro). The sums are two
+        # stack arrays (not "local", see int8_ops.quantize_macro). The sums are two
         # arrays of 8 sequences: one of 16 x 16 floats is 1 KiB, where TVM stops using the
         # stack and calls its workspace allocator, once per tile
         acc = T.sblock_alloc_buffer((HALF * COLS,), "float32")

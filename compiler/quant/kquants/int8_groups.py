@@ -1,7 +1,7 @@
-"""The K-quants as 32-weight int8-kernel groups (`schedules.cpu_int8_codes.Group`).
+"""The K-quants as 32-weight int8-kernel groups (`schedules.cpu.int8_codes.Group`).
 
 A 256-weight super-block is 8 groups; the formats with 16-weight sub-blocks (q2k, q3k, q6k)
-give each half of a group its own scale and offset (see `schedules.cpu_int8_codes`).
+give each half of a group its own scale and offset (see `schedules.cpu.int8_codes`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The legacy formats as 32-weight int8-kernel groups (`schedules.cpu_int8_codes.Group`):
+"""The legacy formats as 32-weight int8-kernel groups (`schedules.cpu.int8_codes.Group`):
 one group is one block, `w = d * code + offset` with the same scale and offset for both
-halves (see `schedules.cpu_int8_codes` for the scheme)."""
+halves (see `schedules.cpu.int8_codes` for the scheme)."""
 
 from __future__ import annotations
 
