@@ -2,8 +2,10 @@
 
 The engine keeps one `CompletionStream` per sequence for the per-stream state that turns a
 sampled token into a `CompletionDelta`: the sequence's own random generator (so a seeded
-request draws the same tokens whatever shares its batch), the incremental detokenizer and
-the stop-string matcher. Request-level bookkeeping (usage, sinks) stays in the engine.
+request draws the same tokens whatever shares its batch), the incremental detokenizer, the
+stop-string matcher and, for a constrained request, its grammar matcher (which survives
+preemption with the stream: the tokens it consumed are the ones re-prefilled). Request-level
+bookkeeping (usage, sinks) stays in the engine.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .constraint import GRAMMAR_ERROR, GrammarMatcher
 from .detokenizer import IncrementalDetokenizer
 from .request import CompletionDelta, FinishReason, SequenceState, TokenLogprob
 from .sampler import make_generator
@@ -26,10 +29,15 @@ class CompletionStream:
     generator: np.random.Generator | None
     detok: IncrementalDetokenizer | None
     stop: StopStringMatcher
+    matcher: GrammarMatcher | None = None  # set when the request has a grammar
 
     @classmethod
     def open(
-        cls, seq: SequenceState, tokenizer: Any | None, byte_pieces: Any | None
+        cls,
+        seq: SequenceState,
+        tokenizer: Any | None,
+        byte_pieces: Any | None,
+        matcher: GrammarMatcher | None = None,
     ) -> CompletionStream:
         p = seq.request.params
         if p.seed is None or seq.index == 0:
@@ -41,7 +49,8 @@ class CompletionStream:
             if tokenizer is not None
             else None
         )
-        return cls(seq=seq, generator=gen, detok=detok, stop=StopStringMatcher(p.stop))
+        stop = StopStringMatcher(p.stop)
+        return cls(seq=seq, generator=gen, detok=detok, stop=stop, matcher=matcher)
 
     def accept(
         self, token: int, lp: TokenLogprob | None, eos_token_ids: Collection[int]
@@ -63,11 +72,24 @@ class CompletionStream:
             delta.text, matched = self.stop.feed(text)
             if matched:
                 reason = "stop"
+            elif self.matcher is not None:
+                if not self.matcher.accept(token):
+                    reason = GRAMMAR_ERROR
+                elif self.matcher.is_finished:
+                    reason = "stop"  # the grammar is complete: only EOS could follow
         if reason is None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            if not self.stop.stopped:
-                tail = self.detok.flush() if self.detok is not None else ""
-                delta.text += self.stop.feed(tail)[0] + self.stop.flush()
-            delta.finish_reason = reason
+            self._finish(delta, reason)
+        return delta
+
+    def finish(self, reason: FinishReason) -> CompletionDelta:
+        """End the completion without a new token (a grammar that cannot go on, or is done)."""
+        return self._finish(CompletionDelta(index=self.seq.index), reason)
+
+    def _finish(self, delta: CompletionDelta, reason: FinishReason) -> CompletionDelta:
+        if not self.stop.stopped:
+            tail = self.detok.flush() if self.detok is not None else ""
+            delta.text += self.stop.feed(tail)[0] + self.stop.flush()
+        delta.finish_reason = reason
         return delta

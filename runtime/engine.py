@@ -6,11 +6,21 @@ loop stays free for HTTP while the model runs. Callers on the loop never touch t
 `add_request`/`abort` append to a lock-protected inbox that the next step drains, and outputs
 travel back through per-request sinks (`loop.call_soon_threadsafe` into an asyncio.Queue).
 Without a loop, `submit` + `run_step` (or `generate`) drive the same code synchronously.
+
+Constrained decoding (`SamplingParams.grammar`, see `constraint.py`). `submit` compiles the
+grammar into the request's matcher, so a bad one raises there. Each step, the masks of the
+constrained rows it samples are computed in a worker thread while the forward runs (the
+matchers are only touched by that thread until the forward returns; llguidance drops the
+GIL); those rows are sampled on the host with disallowed tokens at -inf, and each sampled
+token advances its matcher. A grammar that is complete finishes its sequence with "stop"; one
+that cannot go on (no token allowed, or the matcher errored) with "grammar_error", without
+sampling. An n > 1 fork clones its parent's matcher; a preempted sequence keeps its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -23,11 +33,20 @@ from typing import Any
 import numpy as np
 
 from tallow.runtime.completion_stream import CompletionStream
+from tallow.runtime.constraint import (
+    GRAMMAR_ERROR,
+    GrammarMatcher,
+    GrammarTokenizer,
+    compute_masks,
+    disallow_tokens,
+    grammar_tokenizer,
+)
 from tallow.runtime.detokenizer import byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
     EngineStats,
+    FinishReason,
     Request,
     RequestOutput,
     SchedulerOutput,
@@ -101,12 +120,24 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._snapshot: EngineStats | None = None
+        # Compute constrained rows' masks in a worker thread during the forward (False: after
+        # it, on the step thread; for benchmarks).
+        self.overlap_masks = True
+        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.mask_wait_s = 0.0  # step-thread time spent on masks after the forward
 
     @functools.cached_property
     def model(self) -> ServedModel:
         """The served model's tokenizer, chat template, EOS ids and limits, for front ends
         (the server, the CLI), so they never reach into the runner. Built once, on first use."""
         return ServedModel.from_runner(self.runner, self.tokenizer, self.eos_token_ids)
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """llguidance's view of the tokenizer, built on the first constrained request."""
+        if self.tokenizer is None:
+            raise ValueError("constrained decoding (a grammar) needs the model's tokenizer")
+        return grammar_tokenizer(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -119,19 +150,24 @@ class Engine:
     ) -> str:
         """Validate and queue a request; outputs go to `sink` from the step thread.
 
-        Raises at once (nothing queued) for invalid parameters or a request that can never
-        fit (`ContextLengthExceededError`).
+        Raises at once (nothing queued) for invalid parameters, a grammar that does not
+        compile (`constraint.GrammarError`) or a request that can never fit
+        (`ContextLengthExceededError`).
         """
         params.validate(self.runner.vocab_size)
         if any(not 0 <= int(t) < self.runner.vocab_size for t in prompt_token_ids):
             raise ValueError("prompt token id outside the vocabulary")
         self.scheduler.check_request(len(prompt_token_ids), params.max_tokens, params.n)
+        matcher = None
+        if params.grammar is not None:
+            matcher = self.grammar_tokenizer.matcher(params.grammar)
         rid = request_id or uuid.uuid4().hex
         with self._inbox_lock:
             if rid in self._live_ids:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._live_ids.add(rid)
-            self._inbox.append(("add", (rid, [int(t) for t in prompt_token_ids], params, sink)))
+            prompt = [int(t) for t in prompt_token_ids]
+            self._inbox.append(("add", (rid, prompt, params, sink, matcher)))
         self._wake()
         return rid
 
@@ -247,8 +283,31 @@ class Engine:
     def step(self) -> None:
         """The scheduler decides, the runner executes, the engine samples and streams."""
         out = self.scheduler.schedule()
-        logits = self.runner.forward(out.forward_items) if out.items else None
-        self._postprocess(out, logits)
+        constrained = [
+            st
+            for item in out.items
+            if item.sample and (st := self._by_seq[item.seq.seq_id]).matcher is not None
+        ]
+        matchers = [st.matcher for st in constrained]
+        job = None
+        if matchers and self.overlap_masks:
+            if self._mask_pool is None:
+                self._mask_pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tallow-grammar"
+                )
+            job = self._mask_pool.submit(compute_masks, matchers)
+        try:
+            logits = self.runner.forward(out.forward_items) if out.items else None
+        finally:
+            # Never leave the worker touching matchers past this point, even on failure.
+            t0 = time.perf_counter()
+            arr = job.result() if job is not None else None
+        if matchers and arr is None:
+            arr = compute_masks(matchers)
+        if matchers:
+            self.mask_wait_s += time.perf_counter() - t0
+        masks = {st.seq.seq_id: arr[i] for i, st in enumerate(constrained)}  # type: ignore[index]
+        self._postprocess(out, logits, masks)
 
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
@@ -259,18 +318,28 @@ class Engine:
             else:
                 self._abort(payload)
 
-    def _add(self, rid: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+    def _add(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        matcher: GrammarMatcher | None = None,
+    ) -> None:
         req = Request(rid, prompt, params, self.scheduler.next_arrival_index())
         seq = self.scheduler.add_request(req)
         state = _ReqState(request=req, sink=sink)
         self._requests[rid] = state
-        self._track(state, seq)
+        self._track(state, seq, matcher)
         self._prompt_tokens += len(prompt)
 
-    def _track(self, state: _ReqState, seq: SequenceState) -> None:
-        st = CompletionStream.open(seq, self.tokenizer, self._byte_pieces)
+    def _track(
+        self, state: _ReqState, seq: SequenceState, matcher: GrammarMatcher | None = None
+    ) -> CompletionStream:
+        st = CompletionStream.open(seq, self.tokenizer, self._byte_pieces, matcher)
         state.seqs[seq.index] = st
         self._by_seq[seq.seq_id] = st
+        return st
 
     def _abort(self, rid: str) -> None:
         state = self._requests.get(rid)
@@ -288,51 +357,90 @@ class Engine:
         state.num_finished = n
         self._emit(state, deltas)
 
-    def _postprocess(self, out: SchedulerOutput, logits: np.ndarray | None) -> None:
+    def _postprocess(
+        self,
+        out: SchedulerOutput,
+        logits: np.ndarray | None,
+        masks: dict[int, np.ndarray] | None = None,
+    ) -> None:
+        masks = masks or {}
         rows: list[int] = []
         states: list[CompletionStream] = []
+        row_masks: list[np.ndarray | None] = []
+        per_request: dict[str, list[CompletionDelta]] = {}
         for row, item in enumerate(out.items):
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
             seq = item.seq
-            rows.append(row)
-            states.append(self._by_seq[seq.seq_id])
+            group = [self._by_seq[seq.seq_id]]
             if seq.pending_forks:
                 # n > 1: the prompt was prefilled once; the siblings share its KV and sample
-                # their first token from the same logits row.
+                # their first token from the same logits row (and mask: a fork's matcher is a
+                # copy of its parent's, which has consumed nothing yet).
                 req_state = self._requests[seq.request.request_id]
+                parent = group[0].matcher
                 for child in self.scheduler.fork_children(seq):
-                    self._track(req_state, child)
-                    rows.append(row)
-                    states.append(self._by_seq[child.seq_id])
-        if not states:
-            return
-        assert logits is not None
-        sampled = self.sampling.sample(
-            logits,
-            rows,
-            [st.seq.request.params for st in states],
-            [st.generator for st in states],
-            Histories([st.seq for st in states], prompt=True),
-            Histories([st.seq for st in states], prompt=False),
-        )
-        per_request: dict[str, list[CompletionDelta]] = {}
-        for i, st in enumerate(states):
-            token, logprob = int(sampled.token_ids[i]), sampled.logprobs[i]
-            lp = None if logprob is None else TokenLogprob(token, logprob, sampled.top_logprobs[i])
-            delta = self._accept(st, token, lp)
-            per_request.setdefault(st.seq.request.request_id, []).append(delta)
+                    matcher = parent.clone() if parent is not None else None
+                    group.append(self._track(req_state, child, matcher))
+            mask = masks.get(seq.seq_id)
+            for st in group:
+                if st.matcher is not None:
+                    ended = self._grammar_end(st, mask)
+                    if ended is not None:
+                        delta = self._retire(st, st.finish(ended))
+                        per_request.setdefault(seq.request.request_id, []).append(delta)
+                        continue
+                rows.append(row)
+                states.append(st)
+                row_masks.append(mask if st.matcher is not None else None)
+        if states:
+            assert logits is not None
+            sampled = self.sampling.sample(
+                logits,
+                rows,
+                [st.seq.request.params for st in states],
+                [st.generator for st in states],
+                Histories([st.seq for st in states], prompt=True),
+                Histories([st.seq for st in states], prompt=False),
+                row_masks if any(m is not None for m in row_masks) else None,
+            )
+            for i, st in enumerate(states):
+                token, logprob = int(sampled.token_ids[i]), sampled.logprobs[i]
+                top = sampled.top_logprobs[i]
+                lp = None if logprob is None else TokenLogprob(token, logprob, top)
+                delta = self._accept(st, token, lp)
+                per_request.setdefault(st.seq.request.request_id, []).append(delta)
         for rid, deltas in per_request.items():
             self._emit(self._requests[rid], deltas)
+
+    def _grammar_end(self, st: CompletionStream, mask: np.ndarray | None) -> FinishReason | None:
+        """Why a constrained sequence ends before sampling (None: it samples from `mask`)."""
+        matcher = st.matcher
+        assert matcher is not None
+        if matcher.is_dead_end:
+            return GRAMMAR_ERROR
+        if matcher.is_finished:
+            return "stop"  # e.g. a grammar whose only sentence is empty
+        if mask is None:
+            raise RuntimeError(f"no grammar mask was computed for sequence {st.seq.seq_id}")
+        if st.seq.request.params.ignore_eos:
+            disallow_tokens(mask, matcher.tokenizer.eos_token_ids)
+        if not mask.any():
+            return GRAMMAR_ERROR
+        return None
 
     def _accept(self, st: CompletionStream, token: int, lp: TokenLogprob | None) -> CompletionDelta:
         """Append a sampled token, count it, and retire its sequence if it finished."""
         state = self._requests[st.seq.request.request_id]
-        if state.cached_tokens is None:
-            state.cached_tokens = st.seq.num_cached_tokens
         state.completion_tokens += 1
         self._generated_tokens += 1
-        delta = st.accept(token, lp, self.eos_token_ids)
+        return self._retire(st, st.accept(token, lp, self.eos_token_ids))
+
+    def _retire(self, st: CompletionStream, delta: CompletionDelta) -> CompletionDelta:
+        """Bookkeeping after a sequence's step; frees it if `delta` finishes it."""
+        state = self._requests[st.seq.request.request_id]
+        if state.cached_tokens is None:
+            state.cached_tokens = st.seq.num_cached_tokens
         if delta.finish_reason is not None:
             self.scheduler.finish(st.seq, delta.finish_reason)
             self._by_seq.pop(st.seq.seq_id, None)

@@ -15,7 +15,8 @@ from typing import Literal
 
 from tallow.runtime.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort"]
+# "grammar_error": a constrained sequence's grammar could not be continued (see constraint.py).
+FinishReason = Literal["stop", "length", "abort", "grammar_error"]
 
 
 class SequenceStatus(enum.Enum):

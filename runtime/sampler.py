@@ -360,7 +360,8 @@ class Sampler:
                 if n > 0:
                     best = np.argpartition(-lp[j], n - 1)[:n]
                     best = best[np.argsort(-lp[j, best], kind="stable")]
-                    tops[i] = [(int(t), float(lp[j, t])) for t in best]
+                    # Tokens a grammar mask removed (-inf) are not alternatives.
+                    tops[i] = [(int(t), float(lp[j, t])) for t in best if lp[j, t] > -np.inf]
         return SamplerOutput(token_ids=tokens, logprobs=chosen, top_logprobs=tops)
 
     __call__ = sample

@@ -27,6 +27,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # An llguidance grammar (`tallow.runtime.constraint`'s builders make one): every sampled
+    # token must keep the output inside it. None: unconstrained.
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
@@ -52,6 +55,10 @@ class SamplingParams:
             raise bad("top_logprobs", "must be between 0 and 20")
         if self.n < 1:
             raise bad("n", "must be at least 1")
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
+            raise bad("grammar", "must be a non-empty grammar string or None")
         if vocab_size is not None:
             for tid in [*self.logit_bias, *self.stop_token_ids]:
                 if not 0 <= int(tid) < vocab_size:

@@ -9,6 +9,11 @@ siblings of an n > 1 request at their first token). On a GPU the device path bri
 
 Each sampled row takes exactly one uniform from its own generator on either path, so a seeded
 request gives the same tokens whatever shares its batch.
+
+A row with a grammar (constrained decoding) comes with a bitmask of the tokens it may take
+next; it goes to the host, where its disallowed logits become -inf before everything else
+(penalties, bias, temperature, the cuts, the draw), so its logprobs are those of the masked
+distribution. Unconstrained rows are untouched and keep the device path.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .constraint import masks_to_bool
 from .model_runner_protocol import ModelExecutor, SamplingControls
 from .request import SequenceState
 from .sampler import Sampler, SamplerOutput
@@ -25,7 +31,9 @@ from .sampling_params import SamplingParams
 
 def device_can_sample(p: SamplingParams) -> bool:
     """Whether the compiled sampler covers everything `p` asks of a step."""
-    return not (p.has_penalties or p.logit_bias or p.logprobs or p.top_logprobs)
+    return not (
+        p.has_penalties or p.logit_bias or p.logprobs or p.top_logprobs or p.grammar is not None
+    )
 
 
 class Histories:
@@ -52,6 +60,7 @@ class StepSampler:
         self.runner = runner
         self.sampler = sampler or Sampler()
         self.on_device = runner.supports_device_sampling
+        self._mask_buf: np.ndarray | None = None  # reused for masked copies of the logits
         self.device_rows = 0  # counters, for tests and benchmarks
         self.host_rows = 0
 
@@ -63,20 +72,25 @@ class StepSampler:
         generators: Sequence[np.random.Generator | None],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> SamplerOutput:
         """One token per entry; entry i samples logits row `rows[i]` of the last forward.
 
         `logits` is what the forward returned (a host array, or a device handle that copies
-        to the host when indexed); histories are read only by rows with penalties.
+        to the host when indexed); histories are read only by rows with penalties. `masks[i]`,
+        when given and not None, is entry i's allowed-token bitmask (int32 words, llguidance's
+        layout, see `constraint.masks_to_bool`); it must allow at least one token.
         """
         count = len(params)
         tokens = np.zeros(count, dtype=np.int64)
         logprobs: list[float | None] = [None] * count
         tops: list[list[tuple[int, float]] | None] = [None] * count
         device: dict[int, int] = {}  # logits row -> entry
+        masked = [] if masks is None else [i for i in range(count) if masks[i] is not None]
         if self.on_device:
             for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-                if row not in device and device_can_sample(p):
+                unmasked = masks is None or masks[i] is None
+                if row not in device and device_can_sample(p) and unmasked:
                     device[row] = i
         if device:
             tokens_dev = self._sample_on_device(len(logits), device, params, generators)
@@ -87,6 +101,8 @@ class StepSampler:
             same_rows = [rows[i] for i in host] == list(range(len(logits)))
             # Every row, in order (plain decode): no fancy-index copy of the logits.
             x = logits if same_rows else np.asarray(logits)[[rows[i] for i in host]]
+            if masked:
+                x = self._apply_masks(x, host, masks)
             pen = [params[i].has_penalties for i in host]
             out = self.sampler.sample(
                 x,
@@ -102,6 +118,29 @@ class StepSampler:
         self.device_rows += len(device)
         self.host_rows += len(host)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=tops)
+
+    def _apply_masks(self, x, host: list[int], masks) -> np.ndarray:
+        """Host logits with each masked entry's disallowed tokens at -inf, in a buffer kept
+        across steps (fresh pages for a batch x vocab copy cost more than the masking); the
+        forward's logits are never edited."""
+        js = [j for j, i in enumerate(host) if masks[i] is not None]
+        packed = np.stack([masks[host[j]] for j in js])
+        if not packed.any(axis=1).all():
+            raise ValueError("a grammar mask allows no token")
+        x = np.asarray(x)
+        rows, width = x.shape
+        if self._mask_buf is None or self._mask_buf.size < rows * width:
+            self._mask_buf = np.empty(rows * width, dtype=np.float32)
+        out = self._mask_buf[: rows * width].reshape(rows, width)
+        np.copyto(out, x)
+        banned = masks_to_bool(~packed, width)
+        inf = np.float32(-np.inf)
+        if len(js) == rows:
+            np.copyto(out, inf, where=banned)
+        else:
+            for k, j in enumerate(js):
+                np.copyto(out[j], inf, where=banned[k])
+        return out
 
     def _sample_on_device(self, num_rows, device, params, generators) -> np.ndarray:
         # Rows nobody samples on the device (prefill chunks, host rows) run the cheap greedy

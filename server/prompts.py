@@ -2,11 +2,25 @@
 
 Encoding is `ServedModel`'s, shared with `tallow generate`: plain text gets the tokenizer's
 special tokens (BOS), a rendered chat template does not, since the template already writes
-them where the model wants them. This module words its errors as OpenAI 400s.
+them where the model wants them. An output constraint (`response_format`, `guided_*`) becomes
+`SamplingParams.grammar`, compiled here so a bad schema, regex or grammar is a 400 naming it.
+This module words its errors as OpenAI 400s.
 """
 
 from __future__ import annotations
 
+import json
+
+from tallow.runtime.constraint import (
+    GrammarError,
+    check_grammar,
+    choice_grammar,
+    grammar_tokenizer,
+    json_object_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.served_model import (
     ChatTemplateError,
@@ -60,6 +74,59 @@ def completion_prompts(req: CompletionRequest, model: ServedModel) -> list[list[
     return prompts
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def request_grammar(req: _SamplingRequest, model: ServedModel) -> str | None:
+    """The llguidance grammar of a request's output constraint; None when it has none.
+
+    400 when the request sets more than one constraint, or one that llguidance rejects (the
+    message names the parameter and carries llguidance's reason).
+    """
+    fmt = req.response_format
+    given = ["response_format"] if fmt is not None and fmt.type != "text" else []
+    given += [name for name in _GUIDED if getattr(req, name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(
+            f"only one output constraint per request; got {' and '.join(given)}", given[1]
+        )
+    param = given[0]
+    try:
+        if param == "response_format":
+            assert fmt is not None
+            if fmt.type == "json_object":
+                grammar = json_object_grammar()
+            elif fmt.json_schema is None:
+                raise GrammarError('type "json_schema" needs a json_schema object')
+            else:
+                js = fmt.json_schema
+                # Unset strict counts as strict: keywords llguidance cannot enforce are
+                # reported rather than silently ignored.
+                schema = {} if js.json_schema is None else js.json_schema
+                grammar = json_schema_grammar(schema, strict=js.strict is not False)
+        elif param == "guided_json":
+            schema = req.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise GrammarError(f"not valid JSON: {e}") from None
+            grammar = json_schema_grammar(schema)  # type: ignore[arg-type]
+        elif param == "guided_regex":
+            grammar = regex_grammar(req.guided_regex)  # type: ignore[arg-type]
+        elif param == "guided_choice":
+            grammar = choice_grammar(req.guided_choice)  # type: ignore[arg-type]
+        else:
+            grammar = lark_grammar(req.guided_grammar)  # type: ignore[arg-type]
+        tokenizer = grammar_tokenizer(model.tokenizer, model.vocab_size, model.eos_token_ids)
+        check_grammar(grammar, tokenizer)
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    return grammar
+
+
 def sampling_params(
     req: _SamplingRequest,
     prompt_len: int,
@@ -104,6 +171,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=req.n,
+        grammar=request_grammar(req, model),
     )
 
 

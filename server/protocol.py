@@ -45,8 +45,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute; None: any JSON value.
+    json_schema: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`; `json_schema` is required with type "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Strict):
-    """Fields shared by /v1/chat/completions and /v1/completions."""
+    """Fields shared by /v1/chat/completions and /v1/completions.
+
+    Output constraints (at most one per request; `server/prompts.py` turns it into a grammar):
+    OpenAI's `response_format`, or vLLM's `guided_json` (a JSON Schema, as an object or its
+    JSON text), `guided_regex`, `guided_choice` and `guided_grammar` (llguidance's Lark).
+    """
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -66,6 +86,11 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
