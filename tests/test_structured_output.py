@@ -337,6 +337,16 @@ def test_response_format_on_completions_and_json_object(client):
         assert reason == "stop" and isinstance(json.loads(text), dict), text
 
 
+def test_strict_false_ignores_unimplemented_keywords(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "not": {}}
+    fmt = json_schema_format("x", schema)
+    with pytest.raises(openai.BadRequestError, match="not"):
+        chat(client, False, response_format=fmt)
+    fmt["json_schema"]["strict"] = False
+    text, reason = chat(client, False, response_format=fmt)
+    assert reason == "stop" and isinstance(json.loads(text), dict)
+
+
 def test_response_format_text_is_unconstrained(client):
     r = client.chat.completions.create(
         model=MODEL,
