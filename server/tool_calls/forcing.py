@@ -35,7 +35,9 @@ def grammar_problem(lark: str) -> str | None:
     except ImportError:
         return None
     failed, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark(lark))
-    return "; ".join(m.strip() for m in messages) or "invalid grammar" if failed else None
+    if not failed:
+        return None
+    return "; ".join(m.strip() for m in messages) or "invalid grammar"
 
 
 def engine_supports_grammars() -> bool:
