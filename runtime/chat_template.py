@@ -41,6 +41,9 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -148,7 +151,13 @@ class ChatTemplate:
                 raise ChatTemplateError(f"each message must be a dict, got {message!r}")
             # Like transformers: a key set to None (OpenAI's content=None) counts as absent, since
             # many templates would otherwise print the literal "None".
-            chat.append(_plain({k: v for k, v in message.items() if v is not None}))
+            message = _plain({k: v for k, v in message.items() if v is not None})
+            # Like transformers: reasoning given under an older name is also passed as
+            # `reasoning_content` (what most templates read) and `thinking` (gpt-oss).
+            reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            chat.append(message)
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         variables = {k: v for k, v in variables.items() if v is not None}
         variables.update(_plain(kwargs))

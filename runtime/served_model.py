@@ -87,19 +87,29 @@ class ServedModel:
         """Plain text gets the tokenizer's special tokens (BOS) unless told otherwise."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def render_chat(self, messages: list[Mapping[str, Any]]) -> str:
-        """The prompt text for a conversation, ready for the assistant's turn.
+    def render_chat(self, messages: list[Mapping[str, Any]], **template_kwargs: Any) -> str:
+        """The prompt text for a conversation, ready for the assistant's turn. Extra keyword
+        arguments (`tools`, `enable_thinking`, ...) reach the template as variables.
 
         Raises `NoChatTemplateError`, or `ChatTemplateError` when the template refuses it.
         """
         if self.chat_template is None:
             raise NoChatTemplateError("this model has no chat template")
-        return self.chat_template.render(list(messages), add_generation_prompt=True)
+        return self.chat_template.render(
+            list(messages), add_generation_prompt=True, **template_kwargs
+        )
 
-    def encode_chat(self, messages: list[Mapping[str, Any]]) -> list[int]:
+    def render_and_encode_chat(
+        self, messages: list[Mapping[str, Any]], **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt text and its ids (for callers that inspect the text too)."""
+        text = self.render_chat(messages, **template_kwargs)
         # The template writes BOS itself where the model wants it (transformers assumes the
         # same), so the tokenizer must not add another.
-        return self.encode_text(self.render_chat(messages), add_special_tokens=False)
+        return text, self.encode_text(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        return self.render_and_encode_chat(messages, **template_kwargs)[1]
 
     # -- token ids -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ This module words its errors as OpenAI 400s.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tallow.runtime.constraint import (
     GrammarError,
@@ -29,15 +30,68 @@ from tallow.runtime.served_model import (
     TokenIdError,
 )
 
+from .chat_output import ChatOutputOptions
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
+from .reasoning import prompt_opens_reasoning, template_has_reasoning
+from .tool_calls import JsonListParser, ToolCallParser, parser_for_template
+from .tool_calls.forcing import forced_tool_grammar
+
+# Template variables a request may not set through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
-def encode_messages(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
-    """A conversation's prompt ids, through the same template rules as `tallow generate`."""
-    convo = [{"role": m.role, "content": m.text()} for m in messages]
+def _template_arguments(arguments: str) -> Any:
+    """A past call's arguments as templates want them. OpenAI sends JSON text; transformers'
+    documented message format (what templates are written against, e.g. Llama's `| tojson`)
+    has the object itself, so JSON object text becomes that object."""
     try:
-        return model.encode_chat(convo)
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """One request message as `apply_chat_template` takes it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.content is None and (m.tool_calls or m.role == "tool"):
+        out["content"] = None  # left out for the template, as transformers does
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _template_arguments(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    return out
+
+
+def encode_messages(
+    model: ServedModel, messages: list[ChatMessage], **template_kwargs: Any
+) -> list[int]:
+    """A conversation's prompt ids, through the same template rules as `tallow generate`."""
+    return render_messages(model, messages, **template_kwargs)[1]
+
+
+def render_messages(
+    model: ServedModel, messages: list[ChatMessage], **template_kwargs: Any
+) -> tuple[str, list[int]]:
+    """A conversation's prompt text and ids; template errors become 400s."""
+    convo = [template_message(m) for m in messages]
+    try:
+        return model.render_and_encode_chat(convo, **template_kwargs)
     except NoChatTemplateError:
         raise bad_request(
             "this model has no chat template; use /v1/completions", "messages"
@@ -175,12 +229,84 @@ def sampling_params(
     )
 
 
+def _check_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's tools as the template and the grammar take them; 400 on bad ones."""
+    tools = req.tools or []
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in names:
+            raise bad_request(f"tools[{i}]: the function name {fn.name!r} is repeated", "tools")
+        names.add(fn.name)
+        schema = fn.parameters
+        if schema is not None and schema.get("type", "object") != "object":
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema of an object "
+                f"(type 'object'), got type {schema.get('type')!r}",
+                "tools",
+            )
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            "tool_choice",
+        )
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def _template_kwargs(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+        )
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if tools:
+        kwargs["tools"] = tools
+    return kwargs
+
+
+def _tool_parser(
+    req: ChatCompletionRequest, model: ServedModel, forced: bool
+) -> ToolCallParser | None:
+    """The format to read (and force) calls in, or None when calls are not looked for."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    source = model.chat_template.template_source if model.chat_template else ""
+    parser = parser_for_template(source)
+    if parser is None and forced:
+        return JsonListParser()  # the grammar makes the model write this generic format
+    if parser is None and "tools" not in source:
+        raise bad_request(
+            "this model's chat template does not support tools and its tool-call format is "
+            "unknown; leave out tools, or force a call with tool_choice",
+            "tools",
+            "tools_not_supported",
+        )
+    return parser
+
+
 def chat_inputs(
     req: ChatCompletionRequest, model: ServedModel, cap: int
-) -> tuple[list[list[int]], list[SamplingParams]]:
+) -> tuple[list[list[int]], list[SamplingParams], ChatOutputOptions]:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = encode_messages(model, req.messages)
+    tools = _check_tools(req)
+    forced = req.tool_choice == "required" or not isinstance(req.tool_choice, (str, type(None)))
+    parser = _tool_parser(req, model, forced)
+    prompt, ids = render_messages(model, req.messages, **_template_kwargs(req, tools))
+    source = model.chat_template.template_source if model.chat_template else None
+    reasoning = template_has_reasoning(source)
+    output = ChatOutputOptions(
+        tool_parser=parser,
+        max_tool_calls=1 if req.parallel_tool_calls is False else None,
+        reasoning=reasoning,
+        reasoning_starts_inside=reasoning and prompt_opens_reasoning(prompt),
+    )
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = sampling_params(
         req,
@@ -191,7 +317,21 @@ def chat_inputs(
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
     )
-    return [ids], [params]
+    if forced and parser is not None:
+        if params.grammar is not None:
+            raise bad_request(
+                "a forced tool_choice and an output constraint (response_format or guided_*) "
+                "cannot both apply; drop one",
+                "tool_choice",
+            )
+        choice = req.tool_choice
+        choice_dict = choice if isinstance(choice, str) else choice.model_dump()  # type: ignore[union-attr]
+        parallel = req.parallel_tool_calls is not False
+        try:
+            params.grammar = forced_tool_grammar(parser, tools, choice_dict, parallel, model)
+        except GrammarError as e:
+            raise bad_request(f"the tools cannot be enforced as a grammar: {e}", "tools") from None
+    return [ids], [params], output
 
 
 def completion_inputs(

@@ -4,7 +4,7 @@ Requests validate in pydantic's strict mode: OpenAI rejects `"temperature": "0.5
 silently coercing strings or booleans to numbers would hide client bugs. Range checks that
 the engine also makes (temperature, top_p, ...) are left to `SamplingParams.validate` so the
 limits live in one place; the ones only the server knows (caps on list sizes) live here.
-Unknown fields are ignored, as clients send extras (`tools`, `metadata`, ...) freely.
+Unknown fields are ignored, as clients send extras (`metadata`, ...) freely.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_TOOLS = 128
 
 
 class _Strict(BaseModel):
@@ -28,10 +29,26 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A tool call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+    reasoning_content: str | None = None  # assistant messages: their thinking, sent back
 
     def text(self) -> str:
         if self.content is None:
@@ -98,11 +115,38 @@ class _SamplingRequest(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; checked to describe an object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Passed to the chat template as variables (e.g. `{"enable_thinking": false}`).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # passed to the template as `reasoning_effort`
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -172,9 +216,33 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str  # `call_<hex>` (or the id format the model's template requires)
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """`content` is null when the model only called tools; `reasoning_content` and
+    `tool_calls` are left out when there are none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if body.get(key) is None:
+                body.pop(key, None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -193,15 +261,36 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class ChatDelta(BaseModel):
-    """What a stream chunk adds to a choice: the role once, first, then content pieces."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _OnlyPresent(BaseModel):
+    """Dumps without the fields that are None (stream deltas carry only what they add)."""
 
     @model_serializer(mode="wrap")
     def _only_present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OnlyPresent):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OnlyPresent):
+    """A piece of tool call `index`: the id, type and name in its first piece, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatDelta(_OnlyPresent):
+    """What a stream chunk adds to a choice: the role once, first, then content, reasoning or
+    tool-call pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -37,6 +37,7 @@ CHAT = [
 ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -128,6 +129,7 @@ def test_every_route_is_reachable(server):
     bodies = {
         "/v1/chat/completions": {**greedy(), "messages": CHAT},
         "/v1/completions": {**greedy(), "prompt": "The"},
+        "/v1/responses": {"model": MODEL, "input": "The", "max_output_tokens": 4},
         "/tokenize": {"prompt": "hello"},
         "/detokenize": {"tokens": [5, 6]},
     }

@@ -7,5 +7,6 @@ streaming machinery and the other shapes stay as they are.
 from .base import ResponseFormatter
 from .chat import ChatFormatter
 from .completions import CompletionFormatter
+from .responses import ResponsesFormatter
 
-__all__ = ["ChatFormatter", "CompletionFormatter", "ResponseFormatter"]
+__all__ = ["ChatFormatter", "CompletionFormatter", "ResponseFormatter", "ResponsesFormatter"]

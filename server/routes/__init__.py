@@ -5,11 +5,12 @@ Each path has exactly one home here (tests/test_server_routes.py checks the tabl
 
 from fastapi import APIRouter
 
-from . import chat, completions, health, models, tokenize
+from . import chat, completions, health, models, responses, tokenize
 
 ROUTERS: tuple[APIRouter, ...] = (
     chat.router,
     completions.router,
+    responses.router,
     models.router,
     tokenize.router,
     health.router,

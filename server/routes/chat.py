@@ -23,11 +23,11 @@ async def chat_completions(
     req: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
 ) -> Response:
     context.check_model(req.model)
-    prompts, params = chat_inputs(req, context.model, context.options.max_tokens_cap)
+    prompts, params, output = chat_inputs(req, context.model, context.options.max_tokens_cap)
     return await generate_response(
         request,
         context,
-        ChatFormatter(context.model, context.model_name),
+        ChatFormatter(context.model, context.model_name, output),
         prompts,
         params,
         stream=req.stream,

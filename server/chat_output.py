@@ -1,0 +1,102 @@
+"""A chat completion's text, split into reasoning, content and tool calls.
+
+`ChatOutputOptions` says, per request, what to look for (a reasoning block, a tool-call format);
+`ChoiceStream` does it incrementally for one choice (reasoning first, then tool calls in what
+is left), and `parse_choice` runs the same stream over a whole text, so a streamed response
+reassembles to exactly the non-streamed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .reasoning import ReasoningStream
+from .tool_calls import StreamDelta, ToolCall, ToolCallDelta, ToolCallParser
+from .tool_calls.base import collect
+
+
+@dataclass(frozen=True)
+class ChatOutputOptions:
+    tool_parser: ToolCallParser | None = None  # None: tool calls are not looked for
+    max_tool_calls: int | None = None  # 1 when parallel_tool_calls is false
+    reasoning: bool = False  # the template has a think block
+    reasoning_starts_inside: bool = False  # ... and the prompt left it open
+
+    @property
+    def plain(self) -> bool:
+        return self.tool_parser is None and not self.reasoning
+
+
+@dataclass
+class ChoiceDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __iadd__(self, other: ChoiceDelta) -> ChoiceDelta:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        return self
+
+
+class ChoiceStream:
+    def __init__(self, options: ChatOutputOptions) -> None:
+        self.options = options
+        self._reasoning = (
+            ReasoningStream(options.reasoning_starts_inside) if options.reasoning else None
+        )
+        self._tools = (
+            options.tool_parser.stream(options.max_tool_calls) if options.tool_parser else None
+        )
+
+    @property
+    def saw_reasoning(self) -> bool:
+        return self._reasoning is not None and self._reasoning.saw_reasoning
+
+    @property
+    def made_tool_calls(self) -> bool:
+        return self._tools is not None and self._tools.num_calls > 0
+
+    def _content(self, text: str, tools: StreamDelta | None) -> ChoiceDelta:
+        if self._tools is None:
+            return ChoiceDelta(content=text)
+        d = self._tools.feed(text) if tools is None else tools
+        return ChoiceDelta(content=d.content, tool_calls=d.tool_calls)
+
+    def feed(self, text: str) -> ChoiceDelta:
+        if self._reasoning is None:
+            return self._content(text, None)
+        r = self._reasoning.feed(text)
+        out = self._content(r.content, None) if r.content else ChoiceDelta()
+        out.reasoning = r.reasoning
+        return out
+
+    def finish(self) -> ChoiceDelta:
+        out = ChoiceDelta()
+        if self._reasoning is not None:
+            r = self._reasoning.finish()
+            out.reasoning = r.reasoning
+            if r.content:
+                out += self._content(r.content, None)
+        if self._tools is not None:
+            out += self._content("", self._tools.finish())
+        return out
+
+
+@dataclass
+class ParsedChoice:
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def parse_choice(options: ChatOutputOptions, text: str) -> ParsedChoice:
+    stream = ChoiceStream(options)
+    delta = stream.feed(text)
+    delta += stream.finish()
+    content, calls = collect(StreamDelta(delta.content, delta.tool_calls))
+    if options.tool_parser is None:
+        content = delta.content
+    reasoning = delta.reasoning if stream.saw_reasoning else None
+    return ParsedChoice(reasoning, content, calls)

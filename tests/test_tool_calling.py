@@ -1,0 +1,530 @@
+"""Tool calling and reasoning through the server, with the official `openai` client, over a
+runner double that answers with a scripted text (no compile; each test takes milliseconds).
+
+The model is the tiny byte-level tokenizer plus Qwen's added tokens, with a Qwen2.5 tool
+template (plus Qwen3's thinking switch in the generation prompt), so the Hermes format and the
+think block are both picked up from the template. transformers' `apply_chat_template` is the
+oracle for the prompts the server renders.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_helpers import MODEL, serve_engine  # noqa: I001
+
+from tallow.runtime.artifact import TokenizerBundle
+from tallow.runtime.engine import Engine
+from tallow.runtime.fake_runner import FakeModelRunner
+from tallow.runtime.scheduler import SchedulerConfig
+from tallow.server import protocol
+from tallow.server.app import ServerOptions
+
+from tiny_models import make_tokenizer
+
+# Qwen2.5-Instruct's tool template; the generation prompt adds Qwen3's `enable_thinking`
+# switch and an `open_think` flag (a template that opens the think block in the prompt).
+QWEN_TOOL_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    '\\n<tools>" }}\n'
+    "    {%- for tool in tools %}\n"
+    '        {{- "\\n" }}\n'
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+    '<|im_end|>\\n" }}\n'
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+    "'\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+    "            {{- tool_call.name }}\n"
+    '            {{- \'", "arguments": \' }}\n'
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- elif open_think is defined and open_think %}\n"
+    "        {{- '<think>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+)
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+CALL += "\n</tool_call>"
+
+
+class ScriptedRunner(FakeModelRunner):
+    """Answers every prompt with `script` (token ids), then EOS: the logits put all weight on
+    the next script token after the longest script prefix that the sequence ends with. With
+    `resume`, a sequence pushed off the script (by a grammar) picks it up again after the
+    longest run of two or more tokens it ends with that the script contains."""
+
+    def __init__(self, eos: int, **kw) -> None:
+        super().__init__(**kw)
+        self.eos = eos
+        self.script: list[int] = []
+        self.last_prompt: list[int] = []
+        self.resume = False
+        self._prompts: list[list[int]] = []  # histories right after each prefill
+
+    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
+        out = super().forward(items)
+        for sid, tokens in items:
+            if len(tokens) > 1:  # a prefill: everything the sequence holds is prompt
+                self._prompts.append(self._history(self._seqs[sid]))
+        return out
+
+    def _generated(self, history: list[int]) -> list[int]:
+        starts = [p for p in self._prompts if history[: len(p)] == p]
+        return history[len(max(starts, key=len)) :] if starts else []
+
+    def _resume_at(self, history: list[int]) -> int:
+        """Script position after the longest suffix of the generated tokens the script holds."""
+        gen = self._generated(history)
+        for n in range(len(gen), 0, -1):
+            tail = gen[-n:]
+            for i in range(len(self.script) - n + 1):
+                if self.script[i : i + n] == tail:
+                    return i + n
+        return 0
+
+    def _logits(self, history: list[int]) -> np.ndarray:
+        k = next(
+            k for k in range(len(self.script), -1, -1) if k == 0 or history[-k:] == self.script[:k]
+        )
+        if k == 0:
+            self.last_prompt = list(history)
+            if self.resume:
+                k = self._resume_at(history)
+        out = np.full(self.vocab_size, -30.0, dtype=np.float32)
+        out[self.script[k] if k < len(self.script) else self.eos] = 30.0
+        return out
+
+
+def make_bundle(folder, template: str) -> TokenizerBundle:
+    from tokenizers import AddedToken, Tokenizer
+
+    make_tokenizer(folder, 320)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    # Qwen's tool and think tags are added tokens that are not special (kept in the output).
+    tok.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
+    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
+    eos = tok.token_to_id("<|im_end|>")
+    return TokenizerBundle(
+        tokenizer=tok,
+        bos_token_id=None,
+        eos_token_ids=[eos],
+        add_bos_token=False,
+        chat_template=template,
+        bos_token=None,
+        eos_token="<|im_end|>",
+    )
+
+
+def start(bundle: TokenizerBundle):
+    tok = bundle.tokenizer
+    runner = ScriptedRunner(
+        eos=bundle.eos_token_ids[0],
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        context_window=1024,
+        num_pages=256,
+    )
+    runner.tokenizer = bundle
+    engine = Engine(
+        runner,
+        tokenizer=tok,
+        eos_token_ids=bundle.eos_token_ids,
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048),
+    )
+    return serve_engine(engine, ServerOptions()), runner
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    bundle = make_bundle(tmp_path_factory.mktemp("qwen"), QWEN_TOOL_TEMPLATE)
+    server, runner = start(bundle)
+    yield server, runner, bundle
+    server.stop()
+
+
+@pytest.fixture
+def client(qwen):
+    server, _, _ = qwen
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def say(qwen, text: str) -> None:
+    _, runner, bundle = qwen
+    runner.script = bundle.tokenizer.encode(text, add_special_tokens=False).ids
+    assert bundle.tokenizer.decode(runner.script, skip_special_tokens=True) == text
+
+
+def reassemble(chunks) -> dict:
+    """A streamed choice 0 folded into the non-streamed message's fields."""
+    out = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        out["content"] += delta.content or ""
+        out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+        for tc in delta.tool_calls or []:
+            call = out["calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            if tc.id:
+                assert call["id"] is None and tc.function.name  # id and name come first
+                call["id"], call["name"] = tc.id, tc.function.name
+            call["arguments"] += (tc.function and tc.function.arguments) or ""
+        out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+def as_streamed(message, finish) -> dict:
+    return {
+        "content": message.content or "",
+        "reasoning": getattr(message, "reasoning_content", None) or "",
+        "calls": {
+            i: {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for i, c in enumerate(message.tool_calls or [])
+        },
+        "finish": finish,
+    }
+
+
+def no_ids(d: dict) -> dict:
+    return {**d, "calls": {i: {**c, "id": None} for i, c in d["calls"].items()}}
+
+
+def greedy(**kw):
+    return {"model": MODEL, "temperature": 0.0, "max_tokens": 200, **kw}
+
+
+# -- tool calls --------------------------------------------------------------------------------
+
+
+def test_tool_call_response_and_stream(qwen, client):
+    say(qwen, "Let me look that up.\n" + CALL)
+    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look that up."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    body = r.model_dump(exclude_unset=True)
+    protocol.ChatCompletionResponse.model_validate(body)
+    stream = client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+    streamed = reassemble(list(stream))
+    assert no_ids(streamed) == no_ids(as_streamed(choice.message, "tool_calls"))
+    assert streamed["calls"][0]["id"].startswith("call_")
+
+
+def test_two_calls_and_plain_answers(qwen, client):
+    second = CALL.replace("Paris", "Oslo")
+    say(qwen, CALL + "\n" + second)
+    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    assert r.choices[0].message.content is None
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
+        "Paris",
+        "Oslo",
+    ]
+    streamed = reassemble(
+        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+    )
+    assert no_ids(streamed) == no_ids(as_streamed(r.choices[0].message, "tool_calls"))
+    # parallel_tool_calls=false keeps the first call only.
+    one = client.chat.completions.create(
+        messages=USER, tools=TOOLS, parallel_tool_calls=False, **greedy()
+    )
+    assert len(one.choices[0].message.tool_calls) == 1
+    # tool_choice none: the text is returned as it is.
+    none = client.chat.completions.create(
+        messages=USER, tools=TOOLS, tool_choice="none", **greedy()
+    )
+    assert (
+        none.choices[0].message.tool_calls is None
+        and "<tool_call>" in none.choices[0].message.content
+    )
+    assert none.choices[0].finish_reason == "stop"
+    # Malformed JSON in a call: plain content, both ways.
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    say(qwen, bad)
+    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    assert r.choices[0].message.content == bad and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    s = reassemble(
+        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+    )
+    assert s == as_streamed(r.choices[0].message, "stop")
+
+
+def test_tool_round_trip_renders_like_transformers(qwen, client):
+    transformers = pytest.importorskip("transformers")
+    _, runner, bundle = qwen
+    say(qwen, "It is 18 degrees in Paris.")
+    convo = [
+        {"role": "system", "content": "Be brief."},
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc123",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc123", "content": '{"temp": 18}'},
+    ]
+    r = client.chat.completions.create(messages=convo, tools=TOOLS, **greedy())
+    assert r.choices[0].message.content == "It is 18 degrees in Paris."
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bundle.tokenizer, chat_template=QWEN_TOOL_TEMPLATE, eos_token="<|im_end|>"
+    )
+    # transformers' documented message format: a call's arguments are an object, not JSON text.
+    hf_convo = json.loads(json.dumps(convo))
+    hf_convo[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    expected = hf.apply_chat_template(
+        hf_convo, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert '<tool_response>\n{"temp": 18}\n</tool_response>' in expected
+    assert '"arguments": {"city": "Paris"}}' in expected
+    ids = bundle.tokenizer.encode(expected, add_special_tokens=False).ids
+    assert runner.last_prompt == ids
+    assert r.usage.prompt_tokens == len(ids)
+    # Template kwargs reach the template as apply_chat_template's kwargs do.
+    client.chat.completions.create(
+        messages=USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **greedy()
+    )
+    expected = hf.apply_chat_template(
+        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert expected.endswith("<think>\n\n</think>\n\n")
+    assert runner.last_prompt == bundle.tokenizer.encode(expected, add_special_tokens=False).ids
+
+
+# -- reasoning ---------------------------------------------------------------------------------
+
+
+def test_reasoning_split_streaming_and_not(qwen, client):
+    _, _, bundle = qwen
+    text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    say(qwen, text)
+    ids = bundle.tokenizer.encode(text, add_special_tokens=False).ids
+    assert bundle.tokenizer.token_to_id("<think>") in ids  # the tags are single tokens here
+    r = client.chat.completions.create(messages=USER, **greedy())
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "The user asks about Paris." and msg.content == "It is sunny."
+    streamed = reassemble(client.chat.completions.create(messages=USER, stream=True, **greedy()))
+    assert streamed == as_streamed(msg, "stop")
+
+
+def test_reasoning_tags_split_across_tokens(tmp_path):
+    # Without the added tokens, `<think>` and `</think>` are several tokens each.
+    bundle = make_bundle(tmp_path, QWEN_TOOL_TEMPLATE)
+    from tokenizers import Tokenizer
+
+    (tmp_path / "plain").mkdir()
+    make_tokenizer(tmp_path / "plain", 320)
+    plain = Tokenizer.from_file(str(tmp_path / "plain" / "tokenizer.json"))
+    plain.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    bundle = TokenizerBundle(**{**bundle.__dict__, "tokenizer": plain})
+    server, runner = start(bundle)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        text = "Paris is in France, so\n</think>\n\nIt is sunny." + "\n" + CALL
+        runner.script = plain.encode(text, add_special_tokens=False).ids
+        assert len(plain.encode("</think>", add_special_tokens=False).ids) > 1
+        kw = {"chat_template_kwargs": {"open_think": True}}  # generation starts inside
+        r = client.chat.completions.create(messages=USER, tools=TOOLS, extra_body=kw, **greedy())
+        msg = r.choices[0].message
+        assert msg.reasoning_content == "Paris is in France, so"
+        assert msg.content == "It is sunny." and msg.tool_calls[0].function.name == "get_weather"
+        chunks = list(
+            client.chat.completions.create(
+                messages=USER, tools=TOOLS, extra_body=kw, stream=True, **greedy()
+            )
+        )
+        assert no_ids(reassemble(chunks)) == no_ids(as_streamed(msg, "tool_calls"))
+        assert (
+            sum(
+                bool(c.choices and getattr(c.choices[0].delta, "reasoning_content", None))
+                for c in chunks
+            )
+            > 1
+        )
+    finally:
+        server.stop()
+
+
+# -- forcing -----------------------------------------------------------------------------------
+
+
+def test_forcing_puts_a_grammar_on_the_params(qwen, monkeypatch):
+    from tallow.server import prompts
+
+    seen = []
+    real = prompts.forced_tool_grammar
+    monkeypatch.setattr(
+        prompts, "forced_tool_grammar", lambda *a: seen.append(real(*a)) or seen[-1]
+    )
+    server, _, _ = qwen
+    say(qwen, CALL)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in (("required", None), (named, False)):
+        body = {**greedy(), "messages": USER, "tools": TOOLS, "tool_choice": choice}
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(seen) == 2 and all("%json" in g and "<tool_call>" in g for g in seen)
+    assert '("\\n"' in seen[0] and '("\\n"' not in seen[1]  # parallel calls only when allowed
+
+
+def test_forced_call_follows_the_schema(qwen, client):
+    # The script opens with plain text; the grammar must make the model call the tool at once
+    # (the runner double then resumes its script inside the call).
+    _, runner, _ = qwen
+    say(qwen, "Sure! " + CALL)
+    runner.resume = True
+    try:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in (named, "required"):
+            r = client.chat.completions.create(
+                messages=USER, tools=TOOLS, tool_choice=choice, **greedy()
+            )
+            (call,) = r.choices[0].message.tool_calls
+            assert r.choices[0].message.content is None
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments)["city"] == "Paris"
+            assert r.choices[0].finish_reason == "tool_calls"
+    finally:
+        runner.resume = False
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_tool_requests(qwen, client, tmp_path):
+    server, _, _ = qwen
+    url = f"{server.base_url}/v1/chat/completions"
+    string_params = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    ]
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    cases = [
+        ({"tools": TOOLS, "tool_choice": unknown}, "tool_choice"),
+        ({"tools": string_params}, "tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ]
+    for extra, param in cases:
+        r = httpx.post(url, json={**greedy(), "messages": USER, **extra}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+        protocol.ErrorResponse.model_validate(r.json())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=USER, tools=TOOLS, tool_choice=unknown, **greedy())
+    assert "nope" in e.value.message
+    say(qwen, "Fine.")
+    assert client.chat.completions.create(messages=USER, **greedy()).choices[0].message.content
+
+
+def test_tools_on_a_template_without_tool_support(tmp_path):
+    server, runner = start(make_bundle(tmp_path, PLAIN_TEMPLATE))
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+        assert e.value.code == "tools_not_supported" and "tool_choice" in e.value.message
+        # Forcing a call works without a template format: the generic JSON list.
+        runner.script = server.engine.tokenizer.encode(
+            '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', add_special_tokens=False
+        ).ids
+        r = client.chat.completions.create(
+            messages=USER, tools=TOOLS, tool_choice="required", **greedy()
+        )
+        assert r.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+        runner.script = server.engine.tokenizer.encode("Hi.", add_special_tokens=False).ids
+        r = client.chat.completions.create(messages=USER, **greedy())
+        assert r.choices[0].message.content == "Hi." and r.choices[0].message.tool_calls is None
+    finally:
+        server.stop()
