@@ -8,10 +8,10 @@ reassembles to exactly the non-streamed one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .reasoning import ReasoningStream
-from .tool_calls import StreamDelta, ToolCall, ToolCallDelta, ToolCallParser
+from .tool_calls import StreamDelta, ToolCall, ToolCallParser
 from .tool_calls.base import collect
 
 
@@ -28,15 +28,16 @@ class ChatOutputOptions:
 
 
 @dataclass
-class ChoiceDelta:
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+class ChoiceDelta(StreamDelta):
+    """Reasoning (which comes before anything else), then content and tool-call pieces in
+    the order written (`parts`; `content` and `tool_calls` as for `StreamDelta`)."""
 
-    def __iadd__(self, other: ChoiceDelta) -> ChoiceDelta:
-        self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
+    reasoning: str = ""
+
+    def __iadd__(self, other: StreamDelta) -> ChoiceDelta:
+        if isinstance(other, ChoiceDelta):
+            self.reasoning += other.reasoning
+        super().__iadd__(other)
         return self
 
 
@@ -58,17 +59,19 @@ class ChoiceStream:
     def made_tool_calls(self) -> bool:
         return self._tools is not None and self._tools.num_calls > 0
 
-    def _content(self, text: str, tools: StreamDelta | None) -> ChoiceDelta:
+    def _content(self, text: str) -> ChoiceDelta:
+        out = ChoiceDelta()
         if self._tools is None:
-            return ChoiceDelta(content=text)
-        d = self._tools.feed(text) if tools is None else tools
-        return ChoiceDelta(content=d.content, tool_calls=d.tool_calls)
+            out.add(text)
+        else:
+            out += self._tools.feed(text)
+        return out
 
     def feed(self, text: str) -> ChoiceDelta:
         if self._reasoning is None:
-            return self._content(text, None)
+            return self._content(text)
         r = self._reasoning.feed(text)
-        out = self._content(r.content, None) if r.content else ChoiceDelta()
+        out = self._content(r.content) if r.content else ChoiceDelta()
         out.reasoning = r.reasoning
         return out
 
@@ -78,9 +81,9 @@ class ChoiceStream:
             r = self._reasoning.finish()
             out.reasoning = r.reasoning
             if r.content:
-                out += self._content(r.content, None)
+                out += self._content(r.content)
         if self._tools is not None:
-            out += self._content("", self._tools.finish())
+            out += self._tools.finish()
         return out
 
 
@@ -95,7 +98,7 @@ def parse_choice(options: ChatOutputOptions, text: str) -> ParsedChoice:
     stream = ChoiceStream(options)
     delta = stream.feed(text)
     delta += stream.finish()
-    content, calls = collect(StreamDelta(delta.content, delta.tool_calls))
+    content, calls = collect(delta)
     if options.tool_parser is None:
         content = delta.content
     reasoning = delta.reasoning if stream.saw_reasoning else None

@@ -281,17 +281,34 @@ def test_reasoning_item(qwen, client):
 
 SCRIPTS = [
     "Hello there.",
-    "Let me check.\n" + CALL,
+    "Let me check.\n" + CALL + "\nOne moment.",
     "<think>\nParis, so\nlet me look.\n</think>\n\n" + CALL + "\n" + CALL.replace("Paris", "Oslo"),
     "",
 ]
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=["text", "call", "reasoning+calls", "empty"])
+SCRIPT_IDS = ["text", "call", "reasoning+calls", "empty"]
+
+
+def request_id(script: str) -> str:
+    return SCRIPT_IDS[SCRIPTS.index(script)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=SCRIPT_IDS)
 def test_stream_reassembles_to_the_response(qwen, script):
     say(qwen, script)
     full, events = streamed_and_not(qwen, greedy(input=QUESTION, tools=RESP_TOOLS))
     parse_response(full)
+    types = [i["type"] for i in full["output"]]
+    assert (
+        types
+        == {
+            "text": ["message"],
+            "call": ["message", "function_call", "message"],
+            "reasoning+calls": ["reasoning", "function_call", "function_call"],
+            "empty": ["message"],
+        }[request_id(script)]
+    )
     final = events[-1]
     assert final["type"] == "response.completed"
     assert no_ids(final["response"]) == no_ids(full)
@@ -304,6 +321,56 @@ def test_stream_reassembles_to_the_response(qwen, script):
     assert done == final["response"]["output"]
     for e in events[:2]:
         assert e["response"]["status"] == "in_progress" and e["response"]["output"] == []
+    check_call_events(events, final["response"]["output"])
+
+
+def check_call_events(events: list[dict], output: list[dict]) -> None:
+    """Each function_call item is added with its name and empty arguments, then gets its
+    arguments in several `response.function_call_arguments.delta` pieces, then `.done`."""
+    for index, item in enumerate(output):
+        if item["type"] != "function_call":
+            continue
+        mine = [e for e in events if e.get("output_index") == index]
+        kinds = [e["type"] for e in mine]
+        assert kinds[0] == "response.output_item.added" and kinds[-1] == (
+            "response.output_item.done"
+        )
+        added = mine[0]["item"]
+        assert (added["name"], added["arguments"], added["status"]) == (
+            item["name"],
+            "",
+            "in_progress",
+        )
+        assert added["call_id"] == item["call_id"] and added["id"] == item["id"]
+        deltas = [e for e in mine if e["type"] == "response.function_call_arguments.delta"]
+        assert kinds[1 : 1 + len(deltas)] == [d["type"] for d in deltas] and len(deltas) > 1
+        assert all(d["item_id"] == item["id"] for d in deltas)
+        assert "".join(d["delta"] for d in deltas) == item["arguments"]
+        assert kinds[1 + len(deltas) :] == [
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+        ]
+        assert mine[-2]["arguments"] == item["arguments"]
+
+
+def test_items_keep_the_order_written_however_the_text_is_split():
+    """One delta holding a call's end and the text after it still gives call, then message."""
+    from tallow.server.chat_output import ChatOutputOptions
+    from tallow.server.formatters.responses import OutputBuilder
+    from tallow.server.tool_calls import HermesParser
+
+    text = "Let me check.\n" + CALL + "\nOne moment."
+    results = []
+    for pieces in ([text], list(text), [text[:60], text[60:]]):
+        builder = OutputBuilder(ChatOutputOptions(tool_parser=HermesParser()))
+        for i, piece in enumerate(pieces):
+            builder.feed(piece, "stop" if i == len(pieces) - 1 else None)
+        builder.close()
+        out = [i.model_dump() for i in builder.items]
+        results.append(no_ids({"output": out})["output"])
+    assert [i["type"] for i in results[0]] == ["message", "function_call", "message"]
+    assert results[0] == results[1] == results[2]
+    assert results[0][2]["content"][0]["text"].strip() == "One moment."
 
 
 def test_sdk_streams(qwen, client):

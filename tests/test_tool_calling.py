@@ -240,10 +240,14 @@ def reassemble(chunks) -> dict:
         out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
         for tc in delta.tool_calls or []:
             call = out["calls"].setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-            if tc.id:
-                assert call["id"] is None and tc.function.name  # id and name come first
+            if call["id"] is None:  # a call's first delta: id, type and name
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+                assert tc.function.arguments is not None
                 call["id"], call["name"] = tc.id, tc.function.name
-            call["arguments"] += (tc.function and tc.function.arguments) or ""
+            else:  # then only pieces of the arguments
+                assert tc.id is None and tc.type is None and tc.function.name is None, tc
+                assert tc.function.arguments
+            call["arguments"] += tc.function.arguments
         out["finish"] = choice.finish_reason or out["finish"]
     return out
 
@@ -281,12 +285,25 @@ def test_tool_call_response_and_stream(qwen, client):
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert call.function.arguments == '{"city": "Paris", "unit": "celsius"}'  # as written
     body = r.model_dump(exclude_unset=True)
     protocol.ChatCompletionResponse.model_validate(body)
-    stream = client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
-    streamed = reassemble(list(stream))
+    chunks = list(
+        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+    )
+    streamed = reassemble(chunks)
     assert no_ids(streamed) == no_ids(as_streamed(choice.message, "tool_calls"))
     assert streamed["calls"][0]["id"].startswith("call_")
+    # The call streams as OpenAI's do: the name first, before the arguments are complete, then
+    # the arguments in pieces.
+    deltas = [
+        tc.function.arguments
+        for c in chunks
+        if c.choices
+        for tc in c.choices[0].delta.tool_calls or []
+    ]
+    assert deltas[0] == "" and len(deltas) > 5
+    assert "".join(deltas) == call.function.arguments
 
 
 def test_two_calls_and_plain_answers(qwen, client):
@@ -316,8 +333,8 @@ def test_two_calls_and_plain_answers(qwen, client):
         and "<tool_call>" in none.choices[0].message.content
     )
     assert none.choices[0].finish_reason == "stop"
-    # Malformed JSON in a call: plain content, both ways.
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    # Malformed JSON before the call's name is known: plain content, both ways.
+    bad = '<tool_call>\n{"arguments": {"city": }, "name": "get_weather"}\n</tool_call>'
     say(qwen, bad)
     r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
     assert r.choices[0].message.content == bad and r.choices[0].message.tool_calls is None
@@ -326,6 +343,17 @@ def test_two_calls_and_plain_answers(qwen, client):
         client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
     )
     assert s == as_streamed(r.choices[0].message, "stop")
+    # ... and after it: the call ends with the arguments sent so far, the rest is content.
+    say(qwen, '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>')
+    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": ')
+    assert r.choices[0].message.content == "}\n</tool_call>"
+    assert r.choices[0].finish_reason == "tool_calls"
+    s = reassemble(
+        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+    )
+    assert no_ids(s) == no_ids(as_streamed(r.choices[0].message, "tool_calls"))
 
 
 def test_tool_round_trip_renders_like_transformers(qwen, client):
@@ -472,6 +500,12 @@ def test_forced_call_follows_the_schema(qwen, client):
             assert call.function.name == "get_weather"
             assert json.loads(call.function.arguments)["city"] == "Paris"
             assert r.choices[0].finish_reason == "tool_calls"
+            streamed = reassemble(
+                client.chat.completions.create(
+                    messages=USER, tools=TOOLS, tool_choice=choice, stream=True, **greedy()
+                )
+            )
+            assert no_ids(streamed) == no_ids(as_streamed(r.choices[0].message, "tool_calls"))
     finally:
         runner.resume = False
 

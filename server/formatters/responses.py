@@ -180,8 +180,11 @@ class OutputBuilder:
 
     def _apply(self, piece: ChoiceDelta) -> None:
         self._text("reasoning", piece.reasoning)
-        self._text("message", piece.content)
-        for call in piece.tool_calls:
+        for part in piece.parts:  # content and calls, in the order written
+            if isinstance(part, str):
+                self._text("message", part)
+                continue
+            call = part
             if call.id is not None or self._open is None or self._open.kind != "call":
                 self._open_item("call", call_id=call.id or "", name=call.name or "")
             it = self._open

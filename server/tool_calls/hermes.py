@@ -1,36 +1,63 @@
 """Hermes-style tool calls (Hermes 2 Pro, Qwen2.5, Qwen3): each call is a JSON object
 `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`, after any text.
+A region may end right after the object (a model may stop before the closing tag).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from typing import Any
 
-from .base import ToolCallParser, call_from_object
+from .base import CallObjectReader, CallSink, Literal, RegionReader, ToolCallParser, is_space
 from .grammar import call_rules, tag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+class HermesReader(RegionReader):
+    """`<tool_call>`, spaces, one call object, spaces, `</tool_call>`."""
+
+    def __init__(self, sink: CallSink) -> None:
+        self._sink = sink
+        self._tag = Literal(OPEN)
+        self._call: CallObjectReader | None = None
+        self._close: Literal | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._call is not None and self._call.done and self._close is None
+
+    def feed(self, ch: str) -> bool:
+        if not self._tag.done:
+            return self._tag.feed(ch)
+        if self._call is None:
+            if is_space(ch):
+                return True
+            self._call = CallObjectReader(self._sink, ARGUMENT_KEYS, eager=True)
+            return self._call.feed(ch)
+        if not self._call.done:
+            return self._call.feed(ch)
+        if self._close is None:
+            if is_space(ch):
+                return True
+            self._close = Literal(CLOSE)
+        if not self._close.feed(ch):
+            return False
+        self.closed = self._close.done
+        return True
 
 
 class HermesParser(ToolCallParser):
     name = "hermes"
     start_markers = (OPEN,)
-    end_marker = CLOSE
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
         return OPEN in chat_template and CLOSE in chat_template
 
-    def parse_region(self, region: str) -> list[tuple[str, str]] | None:
-        body = region.removeprefix(OPEN).removesuffix(CLOSE).strip()
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        call = call_from_object(obj, "arguments", "parameters")
-        return None if call is None else [call]
+    def region_reader(self, marker: str, sink: CallSink) -> RegionReader:
+        return HermesReader(sink)
 
     def forced_call_grammar(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from .base import ToolCallParser, call_from_object, json_values
+from .base import CallListReader, CallSink, RegionReader, ToolCallParser
 from .grammar import call_rules
 
 
@@ -19,14 +19,8 @@ class JsonListParser(ToolCallParser):
     def matches(cls, chat_template: str) -> bool:
         return False
 
-    def parse_region(self, region: str) -> list[tuple[str, str]] | None:
-        values = json_values(region)
-        if values is None or len(values) != 1 or not isinstance(values[0], list):
-            return None
-        calls = [call_from_object(v, "parameters", "arguments") for v in values[0]]
-        if not calls or any(c is None for c in calls):
-            return None
-        return calls  # type: ignore[return-value]
+    def region_reader(self, marker: str, sink: CallSink) -> RegionReader:
+        return CallListReader(sink, ("parameters", "arguments"), eager=False)
 
     def forced_call_grammar(
         self,

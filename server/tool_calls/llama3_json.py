@@ -8,10 +8,35 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from .base import ToolCallParser, call_from_object, json_values
+from .base import CallObjectReader, CallSink, Literal, RegionReader, ToolCallParser, is_space
 from .grammar import call_rules
 
 PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3Reader(RegionReader):
+    """An optional `<|python_tag|>`, then call objects separated by spaces and `;`. After the
+    tag a call starts with its name; after a bare `{` once its arguments begin."""
+
+    def __init__(self, sink: CallSink, tagged: bool) -> None:
+        self._sink = sink
+        self._tag = Literal(PYTHON_TAG if tagged else "")
+        self._eager = tagged
+        self._call: CallObjectReader | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._call is not None and self._call.done
+
+    def feed(self, ch: str) -> bool:
+        if not self._tag.done:
+            return self._tag.feed(ch)
+        if self._call is not None and not self._call.done:
+            return self._call.feed(ch)
+        if is_space(ch) or (ch == ";" and self._call is not None):
+            return True
+        self._call = CallObjectReader(self._sink, ("parameters", "arguments"), self._eager)
+        return self._call.feed(ch)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -24,14 +49,8 @@ class Llama3JsonParser(ToolCallParser):
             PYTHON_TAG in chat_template or '"parameters"' in chat_template
         )
 
-    def parse_region(self, region: str) -> list[tuple[str, str]] | None:
-        values = json_values(region.strip().removeprefix(PYTHON_TAG), separators=";")
-        if values is None:
-            return None
-        calls = [call_from_object(v, "parameters", "arguments") for v in values]
-        if any(c is None for c in calls):
-            return None
-        return calls  # type: ignore[return-value]
+    def region_reader(self, marker: str, sink: CallSink) -> RegionReader:
+        return Llama3Reader(sink, tagged=marker == PYTHON_TAG)
 
     def forced_call_grammar(
         self,

@@ -7,18 +7,93 @@ nine letters and digits, so this format makes those.
 
 from __future__ import annotations
 
-import re
 import secrets
 import string
 from collections.abc import Collection
 from typing import Any
 
-from .base import ToolCallParser, call_from_object, json_values
+from .base import (
+    ArgumentsReader,
+    CallListReader,
+    CallSink,
+    Literal,
+    RegionReader,
+    ToolCallParser,
+    is_space,
+)
 from .grammar import call_rules
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*$")
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
 _ID_CHARS = string.ascii_letters + string.digits
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+class MistralReader(RegionReader):
+    """`[TOOL_CALLS]` and a list of call objects, or `[TOOL_CALLS]name[ARGS]{...}` repeated;
+    or, untagged (the special token dropped), a list alone, whose calls start once their
+    arguments begin."""
+
+    def __init__(self, sink: CallSink, tagged: bool) -> None:
+        self._sink = sink
+        self._tagged = tagged
+        self._literal = Literal(TOOL_CALLS) if tagged else None
+        self._state = "body" if tagged else "list"
+        self._list = None if tagged else CallListReader(sink, ARGUMENT_KEYS, eager=False)
+        self._name: list[str] = []
+        self._args: ArgumentsReader | None = None
+
+    @property
+    def complete(self) -> bool:
+        if self._state == "list":
+            return self._list is not None and self._list.complete
+        return self._state == "after"
+
+    def feed(self, ch: str) -> bool:
+        if self._literal is not None:  # a tag being read
+            if not self._literal.feed(ch):
+                return False
+            if self._literal.done:
+                self._literal = None
+                if self._state == "args_tag":
+                    self._sink.start("".join(self._name))
+                    self._state = "args"
+            return True
+        state = self._state
+        if state == "list":
+            assert self._list is not None
+            return self._list.feed(ch)
+        if state == "args" and self._args is not None:
+            if not self._args.feed(ch):
+                return False
+            if self._args.done:
+                self._sink.end()
+                self._state, self._args = "after", None
+            return True
+        if is_space(ch):
+            if state == "name":
+                self._state = "name_end"
+            return True
+        if state in ("body", "next") and ch in _NAME_CHARS:
+            self._state, self._name = "name", [ch]
+            return True
+        if state == "body" and ch == "[":  # v3: a list of call objects
+            self._state = "list"
+            self._list = CallListReader(self._sink, ARGUMENT_KEYS, eager=True)
+            return self._list.feed(ch)
+        if state == "name" and ch in _NAME_CHARS:
+            self._name.append(ch)
+            return True
+        if state in ("name", "name_end") and ch == "[":
+            self._state, self._literal = "args_tag", Literal(ARGS)
+            return self._literal.feed(ch)
+        if state == "args":
+            self._args = ArgumentsReader(self._sink)
+            return self._args.feed(ch)
+        if state == "after" and ch == "[":
+            self._state, self._literal = "next", Literal(TOOL_CALLS)
+            return self._literal.feed(ch)
+        return False
 
 
 class MistralParser(ToolCallParser):
@@ -33,27 +108,8 @@ class MistralParser(ToolCallParser):
     def new_call_id(self) -> str:
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
-    def parse_region(self, region: str) -> list[tuple[str, str]] | None:
-        body = region.strip().removeprefix(TOOL_CALLS).strip()
-        if body.startswith("["):
-            values = json_values(body)
-            if values is None or len(values) != 1 or not isinstance(values[0], list):
-                return None
-            calls = [call_from_object(v, "arguments", "parameters") for v in values[0]]
-        else:
-            calls = [self._named_call(part) for part in body.split(TOOL_CALLS)]
-        if not calls or any(c is None for c in calls):
-            return None
-        return calls  # type: ignore[return-value]
-
-    @staticmethod
-    def _named_call(part: str) -> tuple[str, str] | None:
-        name, sep, args = part.partition(ARGS)
-        m = _NAME.match(name)
-        values = json_values(args) if sep else None
-        if m is None or values is None or len(values) != 1 or not isinstance(values[0], dict):
-            return None
-        return call_from_object({"name": m.group(1), "arguments": values[0]}, "arguments")
+    def region_reader(self, marker: str, sink: CallSink) -> RegionReader:
+        return MistralReader(sink, tagged=marker == TOOL_CALLS)
 
     def forced_call_grammar(
         self,
