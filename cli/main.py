@@ -141,8 +141,9 @@ def _add_serve(sub) -> None:
         help="serve an artifact over an OpenAI-compatible HTTP API",
         description=(
             "Serve an artifact with /v1/chat/completions, /v1/completions, /v1/models, "
-            "/tokenize, /detokenize, /health and /metrics. Without ARTIFACT, the embedded "
-            "default model is compiled for this host once (cached under artifacts/) and served."
+            "/tokenize, /detokenize, /health and /metrics, and a chat page at / (unless "
+            "--no-ui). Without ARTIFACT, the embedded default model is compiled for this host "
+            "once (cached under artifacts/) and served."
         ),
     )
     p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (default: see above)")
@@ -154,6 +155,7 @@ def _add_serve(sub) -> None:
         help="require 'Authorization: Bearer KEY' (default: $TALLOW_API_KEY, else no auth)",
     )
     p.add_argument("--served-model-name", help="model name in the API (default: folder name)")
+    p.add_argument("--no-ui", action="store_true", help="no chat page at / (the API only)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per batch (16)")
     p.add_argument("--prefill-chunk-size", type=int, default=512, help="tokens (default 512)")
     p.add_argument("--kv-cache-mem", type=float, help="KV cache size in MB (default: by memory)")
@@ -267,6 +269,7 @@ def _run_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        ui=not args.no_ui,
     )
     name = args.served_model_name or Path(folder).resolve().name
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

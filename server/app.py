@@ -1,5 +1,6 @@
 """The FastAPI app, assembled: the gate (API key, draining), the lifespan that runs the engine,
-OpenAI-shaped error handlers, and the routers of `tallow.server.routes`.
+OpenAI-shaped error handlers, and the routers of `tallow.server.routes` (the chat page's
+only while `ServerOptions.ui` is on).
 
 Only `tallow.runtime` is imported: the server runs where the compiler (and relax) is absent.
 """
@@ -16,7 +17,7 @@ from .context import ServerContext, ServerOptions, ServerState
 from .errors import install_handlers
 from .gate import APIGate
 from .metrics import ServerMetrics
-from .routes import ROUTERS
+from .routes import ROUTERS, ui
 
 __all__ = ["ServerOptions", "create_app"]
 
@@ -52,4 +53,6 @@ def create_app(engine: Any, model_name: str, options: ServerOptions | None = Non
     app.add_middleware(APIGate, options=options, state=context.state)
     for router in ROUTERS:
         app.include_router(router)
+    if options.ui:
+        app.include_router(ui.router)
     return app

@@ -32,6 +32,7 @@ class ServerOptions:
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
     max_tokens_cap: int = 4096  # default max_tokens when a request omits it
+    ui: bool = True  # the chat page at / (routes/ui.py)
 
 
 @dataclass

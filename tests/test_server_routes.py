@@ -43,6 +43,11 @@ ROUTES = [
     ("POST", "/detokenize"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    # the chat page (routes/ui.py; tests/test_chat_page.py)
+    ("GET", "/"),
+    ("GET", "/ui/chat.js"),
+    ("GET", "/ui/markdown.js"),
+    ("GET", "/ui/chat.css"),
 ]
 
 

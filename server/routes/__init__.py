@@ -1,4 +1,5 @@
-"""The API routes, one module per route group; `create_app` includes `ROUTERS`.
+"""The API routes, one module per route group; `create_app` includes `ROUTERS`, and
+`ui.router` (the chat page at /) unless `ServerOptions.ui` is off.
 
 Each path has exactly one home here (tests/test_server_routes.py checks the table).
 """
