@@ -156,6 +156,19 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--served-model-name", help="model name in the API (default: folder name)")
     p.add_argument("--no-ui", action="store_true", help="no chat page at / (the API only)")
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names to answer besides localhost names, IP addresses and "
+        "the bind address ('*.example.com': its subdomains, '*': any); other Hosts get 400, "
+        "which stops DNS-rebinding pages",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated web origins whose pages may call the API (CORS; '*': any); "
+        "default: none",
+    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per batch (16)")
     p.add_argument("--prefill-chunk-size", type=int, default=512, help="tokens (default 512)")
     p.add_argument("--kv-cache-mem", type=float, help="KV cache size in MB (default: by memory)")
@@ -270,11 +283,17 @@ def _run_serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         ui=not args.no_ui,
+        allowed_hosts=_comma_list(args.allowed_hosts),
+        allowed_origins=_comma_list(args.allowed_origins),
     )
     name = args.served_model_name or Path(folder).resolve().name
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     serve(engine, name, options, args.host, args.port)
     return 0
+
+
+def _comma_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1  # the engine keeps top_k and token counts in 32-bit arrays
 
 
 class SamplingParamsError(ValueError):
@@ -35,18 +38,18 @@ class SamplingParams:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
 
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
+        if not 1 <= self.max_tokens <= INT32_MAX:
+            raise bad("max_tokens", f"must be between 1 and {INT32_MAX}")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 or positive")
+        if not -1 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", f"must be -1, 0 or positive (at most {INT32_MAX})")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be positive")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "must be positive and finite")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be between -2 and 2")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -59,6 +62,8 @@ class SamplingParams:
             not isinstance(self.grammar, str) or not self.grammar.strip()
         ):
             raise bad("grammar", "must be a non-empty grammar string or None")
+        if not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be finite")
         if vocab_size is not None:
             for tid in [*self.logit_bias, *self.stop_token_ids]:
                 if not 0 <= int(tid) < vocab_size:

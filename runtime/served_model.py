@@ -5,12 +5,20 @@
 conversation into prompt token ids. Both front ends encode through it, so the CLI and the
 server feed the model the same ids for the same conversation.
 
+Special tokens (the tokenizer's added tokens marked special: `<|im_start|>`, `<s>`, ...) come
+only from the chat template and from the tokenizer's own post-processing (BOS), never from text
+a client sends: a message's content, a plain-text prompt, a tool's description are tokenized as
+text, so `<|im_end|>` typed in a user message is spelled out and cannot close the user's turn
+or open a system one. A client that wants control tokens sends token ids.
+
 Errors are plain `ValueError`s carrying the facts; each front end words them for its users
 (an OpenAI error body, a CLI message). Nothing here imports TVM.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +92,9 @@ class ServedModel:
     # -- prompts -------------------------------------------------------------------------------
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Plain text gets the tokenizer's special tokens (BOS) unless told otherwise."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Plain text gets the tokenizer's special tokens (BOS) unless told otherwise; special
+        tokens spelled inside `text` stay text (see the module docstring)."""
+        return list(self._text_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def render_chat(self, messages: list[Mapping[str, Any]], **template_kwargs: Any) -> str:
         """The prompt text for a conversation, ready for the assistant's turn. Extra keyword
@@ -102,14 +111,85 @@ class ServedModel:
     def render_and_encode_chat(
         self, messages: list[Mapping[str, Any]], **template_kwargs: Any
     ) -> tuple[str, list[int]]:
-        """The rendered prompt text and its ids (for callers that inspect the text too)."""
-        text = self.render_chat(messages, **template_kwargs)
-        # The template writes BOS itself where the model wants it (transformers assumes the
-        # same), so the tokenizer must not add another.
-        return text, self.encode_text(text, add_special_tokens=False)
+        """The rendered prompt text and its ids (for callers that inspect the text too).
+
+        Special tokens in the ids come only from the template. Every string the caller passes
+        (contents, names, tool calls and tools, template variables) that spells a special token
+        has each occurrence swapped for a marker before rendering; the rendered text is then
+        tokenized piece by piece: the template's pieces with special-token parsing, each marker
+        as the text it stands for, without. A conversation that spells no special token (the
+        usual case) renders and tokenizes in one piece, exactly as transformers'
+        `apply_chat_template` does.
+        """
+        specials = self._special_pattern
+        originals: list[str] = []
+        if specials is not None:
+            sentinel = _free_sentinel(
+                [
+                    messages,
+                    template_kwargs,
+                    self.chat_template and self.chat_template.template_source,
+                ]
+            )
+
+            def mark(text: str) -> str:
+                def one(m: re.Match[str]) -> str:
+                    originals.append(m.group(0))
+                    return f"{sentinel}{len(originals) - 1}{sentinel}"
+
+                return specials.sub(one, text)
+
+            marked_messages = _map_strings(list(messages), mark)
+            marked_kwargs = _map_strings(template_kwargs, mark)
+        if not originals:
+            text = self.render_chat(messages, **template_kwargs)
+            # The template writes BOS itself where the model wants it (transformers assumes the
+            # same), so the tokenizer must not add another.
+            return text, self._encode_template_text(text)
+        rendered = self.render_chat(marked_messages, **marked_kwargs)
+        pieces = re.split(f"{sentinel}([0-9]+){sentinel}", rendered)
+        ids: list[int] = []
+        text_parts: list[str] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:  # the template's text, with special-token-free client text in it
+                text_parts.append(piece)
+                ids += self._encode_template_text(piece) if piece else []
+            else:  # a special token the client spelled: text
+                original = originals[int(piece)]
+                text_parts.append(original)
+                ids += self.encode_text(original, add_special_tokens=False)
+        return "".join(text_parts), ids
 
     def encode_chat(self, messages: list[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         return self.render_and_encode_chat(messages, **template_kwargs)[1]
+
+    def _encode_template_text(self, text: str) -> list[int]:
+        """Template output: special tokens spelled in it are the control tokens."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def _text_tokenizer(self) -> Any:
+        """A copy of the tokenizer that reads special-token text as text
+        (`tokenizers.Tokenizer.encode_special_tokens`); a copy, because the attribute is the
+        tokenizer's state and the original is shared (detokenizers, grammars, other threads)."""
+        tok = self.tokenizer
+        if not hasattr(tok, "encode_special_tokens") or not hasattr(tok, "to_str"):
+            return tok  # not a `tokenizers.Tokenizer`: nothing to switch off
+        copy = type(tok).from_str(tok.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """Matches the special tokens' texts (longest first); None when there are none."""
+        added = getattr(self.tokenizer, "get_added_tokens_decoder", None)
+        if added is None:
+            return None
+        texts = {t.content for t in added().values() if t.special and t.content}
+        if not texts:
+            return None
+        ordered = sorted(texts, key=lambda t: (-len(t), t))
+        return re.compile("|".join(re.escape(t) for t in ordered))
 
     # -- token ids -----------------------------------------------------------------------------
 
@@ -126,3 +206,26 @@ class ServedModel:
     def decode(self, ids: list[int]) -> str:
         """Token ids back to text, special tokens included (what /detokenize returns)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    """`value` (JSON-like) with `fn` applied to every string in it, dict keys included."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    if callable(getattr(value, "model_dump", None)):
+        return _map_strings(value.model_dump(), fn)
+    return value
+
+
+def _free_sentinel(values: Any) -> str:
+    """A private-use character that no string in `values` contains (a marker delimiter)."""
+    seen: set[str] = set()
+    _map_strings(values, lambda s: seen.update(c for c in s if "\ue000" <= c <= "\uf8ff"))
+    for code in range(0xE000, 0xF900):
+        if chr(code) not in seen:
+            return chr(code)
+    raise ChatTemplateError("the conversation uses every private-use character")

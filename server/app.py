@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from .context import ServerContext, ServerOptions, ServerState
 from .errors import install_handlers
@@ -51,6 +52,16 @@ def create_app(engine: Any, model_name: str, options: ServerOptions | None = Non
     app.state.tallow = context.state  # the drain flag, for the launcher's signal handler
     install_handlers(app)
     app.add_middleware(APIGate, options=options, state=context.state)
+    if options.allowed_origins:
+        # Outside the gate (added last), so a browser's preflight, which carries no API key,
+        # is answered; without allowed origins browsers keep other sites' pages from reading
+        # any answer (same-origin policy) and from sending JSON at all (no preflight passes).
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     for router in ROUTERS:
         app.include_router(router)
     if options.ui:

@@ -5,11 +5,21 @@ through `Context` (a dependency), never through closures, so each route module s
 and several apps can live in one process. Request bodies are read and validated by `json_body`
 dependencies: with a size limit (also for chunked bodies), strict JSON, and OpenAI-shaped
 errors naming the offending field.
+
+Two rules make every request's text safe before any route sees it. A body is read only when it
+says `Content-Type: application/json` (415 otherwise): a web page can make a browser send a
+cross-origin `text/plain` POST without asking the server first, never an `application/json`
+one. And text that is not valid Unicode becomes valid here, in one place for every route: each
+lone surrogate that a JSON `\\uXXXX` escape produced, and each byte that is not UTF-8, becomes
+U+FFFD (what a UTF-8 decoder makes of broken text), so tokenizers and JSON encoders never meet
+a string they cannot encode.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -31,7 +41,12 @@ class ServerOptions:
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
-    max_tokens_cap: int = 4096  # default max_tokens when a request omits it
+    max_tokens_cap: int = 4096  # chat's max_tokens when a request omits it: room left, capped
+    # The Host check (`tallow.server.gate`): the bind address, and names allowed besides the
+    # defaults ("*": any); CORS: origins whose pages may call the API ("*": any).
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     ui: bool = True  # the chat page at / (routes/ui.py)
 
 
@@ -72,7 +87,36 @@ def get_context(request: Request) -> ServerContext:
 Context = Annotated[ServerContext, Depends(get_context)]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(value: Any) -> Any:
+    """Parsed JSON with every lone surrogate in its strings (keys too) replaced by U+FFFD.
+
+    `json.loads` joins escaped surrogate pairs into one character, so any surrogate left in a
+    string is a lone one."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [valid_text(v) for v in value]
+    return value
+
+
+def check_json_content_type(request: Request) -> None:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        shown = media or "none"
+        raise APIError(
+            415,
+            f"the body must be JSON sent with Content-Type: application/json (got {shown})",
+            code="unsupported_media_type",
+        )
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    check_json_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
@@ -86,8 +130,20 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
+    def finite(text: str) -> float:
+        value = float(text)
+        if math.isinf(value):  # 1e999: JSON, but no number any field can hold
+            raise ValueError(f"the number {text[:40]} is out of range")
+        return value
+
+    raw = b"".join(chunks)
+    strict = {"parse_constant": no_constants, "parse_float": finite}
     try:
-        body = json.loads(b"".join(chunks), parse_constant=no_constants)
+        try:
+            body = json.loads(raw, **strict)
+        except UnicodeDecodeError:  # not UTF-8: repair the text, as for lone surrogates
+            body = json.loads(raw.decode("utf-8", "replace"), **strict)
+        body = valid_text(body)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -8,6 +8,7 @@ requests on connections still open get 503 (and /health fails) instead of being 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,5 +51,6 @@ def make_server(app: FastAPI, host: str, port: int, options: ServerOptions) -> D
 
 
 def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port: int) -> None:
+    options = dataclasses.replace(options, host=host)  # the Host check allows the bind address
     app = create_app(engine, model_name, options)
     make_server(app, host, port, options).run()

@@ -2,14 +2,18 @@
 
 Encoding is `ServedModel`'s, shared with `tallow generate`: plain text gets the tokenizer's
 special tokens (BOS), a rendered chat template does not, since the template already writes
-them where the model wants them. An output constraint (`response_format`, `guided_*`) becomes
-`SamplingParams.grammar`, compiled here so a bad schema, regex or grammar is a 400 naming it.
+them where the model wants them. Special tokens come only from the template (or BOS): a
+special token's text in messages, prompts or tools is tokenized as text (`ServedModel`'s
+rule); clients that want control tokens send token ids. An output constraint
+(`response_format`, `guided_*`) becomes `SamplingParams.grammar`, compiled here so a bad
+schema, regex or grammar is a 400 naming it.
 This module words its errors as OpenAI 400s.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tallow.runtime.constraint import (
@@ -36,6 +40,9 @@ from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sa
 from .reasoning import prompt_opens_reasoning, template_has_reasoning
 from .tool_calls import JsonListParser, ToolCallParser, parser_for_template
 from .tool_calls.forcing import forced_tool_grammar
+
+# /v1/completions' max_tokens when a request omits it (OpenAI's default there).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 # Template variables a request may not set through chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
@@ -191,27 +198,35 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
 ) -> SamplingParams:
+    """The engine's parameters for one prompt of `req`. The request models have checked the
+    ranges; here the values are checked against the model (token ids) and put in the form
+    the engine holds."""
     if max_tokens is None:
         # The rest of the context window, capped: if the prompt already fills it, ask for one
         # token so the engine's context check reports the overflow with its usual message.
         max_tokens = max(1, min(max_tokens_cap, model.context_window - prompt_len))
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not re.fullmatch(r"[0-9]{1,10}", key):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        tid = int(key)
         check_token_ids(model, [tid], "logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise bad_request("logit_bias values must be between -100 and 100", "logit_bias")
         bias[tid] = value
     if req.stop_token_ids:
         check_token_ids(model, req.stop_token_ids, "stop_token_ids")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    top_k = req.top_k or 0
+    if top_k >= model.vocab_size:
+        top_k = 0  # keeps the whole vocabulary: no cut
+    if top_p == 0.0:
+        # OpenAI's top_p=0: the smallest set of tokens holding probability 0, i.e. the most
+        # likely token alone; the engine says that as top_k=1 (its top_p must be positive).
+        top_p, top_k = 1.0, 1
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        top_p=top_p,
+        top_k=top_k,
         min_p=req.min_p or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -343,7 +358,9 @@ def completion_inputs(
             req,
             len(ids),
             model,
-            cap,
+            # Without max_tokens, OpenAI's completions default of 16 (less when the window
+            # has less room left).
+            min(cap, COMPLETION_DEFAULT_MAX_TOKENS),
             max_tokens=req.max_tokens,
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,

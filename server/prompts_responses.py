@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from tallow.runtime.constraint import (
     GrammarError,
     check_grammar,
@@ -24,7 +26,7 @@ from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.served_model import ServedModel
 
 from .chat_output import ChatOutputOptions
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_validation_error
 from .prompts import chat_inputs
 from .protocol import (
     ChatCompletionRequest,
@@ -177,7 +179,11 @@ def responses_inputs(
     """Prompt ids, sampling params and output options, as for the equivalent chat request."""
     check_unsupported(req)
     try:
-        prompts, params, output = chat_inputs(as_chat_request(req), model, cap)
+        try:
+            chat = as_chat_request(req)
+        except ValidationError as e:  # a value the chat request refuses: still the client's
+            raise from_validation_error(e) from None
+        prompts, params, output = chat_inputs(chat, model, cap)
     except APIError as e:
         raise responses_param(e) from None
     fmt = req.text.format if req.text else None

@@ -1,10 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (the subset tallow serves).
 
 Requests validate in pydantic's strict mode: OpenAI rejects `"temperature": "0.5"`, and
-silently coercing strings or booleans to numbers would hide client bugs. Range checks that
-the engine also makes (temperature, top_p, ...) are left to `SamplingParams.validate` so the
-limits live in one place; the ones only the server knows (caps on list sizes) live here.
-Unknown fields are ignored, as clients send extras (`metadata`, ...) freely.
+silently coercing strings or booleans to numbers would hide client bugs. OpenAI's ranges
+(temperature 0-2, top_p 0-1, penalties -2-2, logit_bias values -100-100, top_logprobs 0-20,
+n >= 1) and tallow's caps (list sizes, a seed's 64 bits) are checked here, so a 400 names the
+field before anything reaches the engine; token ids are checked against the vocabulary in
+`server/prompts.py`, and `SamplingParams.validate` checks again what the engine cannot hold.
+Infinite numbers (`1e999`) are refused like NaN. Unknown fields are ignored, as clients send
+extras (`metadata`, ...) freely.
 """
 
 from __future__ import annotations
@@ -18,10 +21,19 @@ MAX_LOGIT_BIAS = 300
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_TOOLS = 128
+MAX_STOP_CHARS = 1024  # each stop string (the stop matcher's work grows with its square)
+MAX_STOP_TOKEN_IDS = 256
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # any signed or unsigned 64-bit seed
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -87,17 +99,25 @@ class _SamplingRequest(_Strict):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[int] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None  # 0: only the most likely token
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0, -1: off; >= vocabulary size: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .protocol import MAX_TOOLS
+from .protocol import MAX_TOOLS, Seed, Temperature, TopP
 
 MAX_METADATA = 16
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # -- request -----------------------------------------------------------------------------------
@@ -136,7 +136,9 @@ class TextFormatJSONObject(_Strict):
 
 
 class TextFormatJSONSchema(_Strict):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(
+        strict=True, extra="ignore", populate_by_name=True, allow_inf_nan=False
+    )
 
     type: Literal["json_schema"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
@@ -169,15 +171,15 @@ class ResponseCreateRequest(_Strict):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stream: bool = False
     store: bool | None = None  # accepted; nothing is stored
     metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
     user: str | None = None
     previous_response_id: str | None = None  # a 400: no responses are stored
     # tallow's extensions, as on the chat route
-    seed: int | None = None
+    seed: Seed | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -30,6 +30,7 @@ from tallow.server.app import ServerOptions, create_app
 from tiny_models import make_tokenizer
 
 VOCAB = 320  # the tiny tokenizer's vocabulary fits below it
+JSON_TYPE = {"Content-Type": "application/json"}  # raw bodies must say they are JSON
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "The capital of France is"},
@@ -248,7 +249,7 @@ def test_bad_body_on_one_route_leaves_a_concurrent_request_alone(server):
                     client.post("/v1/completions", json={**greedy(), "prompt": "x", "n": "2"}),
                     client.post("/v1/completions", json={"model": MODEL}),
                     client.post("/tokenize", json={"prompt": ["not", "a", "string"]}),
-                    client.post("/detokenize", content=b"{broken"),
+                    client.post("/detokenize", content=b"{broken", headers=JSON_TYPE),
                 )
                 rest = [ln async for ln in lines if ln]
         for r, param in zip(bad, ("n", "prompt", "prompt", None), strict=True):
