@@ -123,7 +123,7 @@ def test_page_and_files_are_served_with_csp(live):
 def test_no_ui_option_serves_no_page(live):
     server, _ = live
     app = create_app(server.engine, MODEL, ServerOptions(ui=False))
-    client = TestClient(app)
+    client = TestClient(app, base_url="http://localhost")  # the Host check
     for path in UI_FILES:
         assert client.get(path).status_code == 404, path
     assert client.get("/v1/models").status_code == 200
@@ -161,7 +161,9 @@ def test_static_route_allows_no_traversal(live, path):
 
 def test_page_loads_without_the_api_key_that_the_api_needs(live):
     server, _ = live
-    client = TestClient(create_app(server.engine, MODEL, ServerOptions(api_key=KEY)))
+    client = TestClient(
+        create_app(server.engine, MODEL, ServerOptions(api_key=KEY)), base_url="http://localhost"
+    )
     for path in UI_FILES:
         assert client.get(path).status_code == 200, path
     for path in ("/v1/models", "/metrics", "/ui/../v1/models"):
