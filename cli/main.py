@@ -135,6 +135,20 @@ def _add_inspect(sub) -> None:
     p.add_argument("artifact", type=Path)
 
 
+def _add_verify(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every file of an artifact against the checksums in its manifest",
+        description=(
+            "Hash every file the manifest records (weight shards, library, tokenizer, chat "
+            "template) and compare size and sha256. Exit status 0 when all match; 1 when a "
+            "file is damaged or missing (each one is named), or when the artifact was compiled "
+            "before checksums were recorded."
+        ),
+    )
+    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve",
@@ -191,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_serve(sub)
+    _add_verify(sub)
     return parser
 
 
@@ -229,6 +244,30 @@ def _run_inspect(args) -> int:
     return 0
 
 
+def _run_verify(args) -> int:
+    from tallow.runtime.integrity import verify
+    from tallow.runtime.manifest import Manifest
+
+    manifest = Manifest.read(args.artifact)
+    if manifest.checksums is None:
+        print(
+            f"{args.artifact}: no checksums recorded (compiled by an older tallow); "
+            "recompile to be able to verify it",
+            file=sys.stderr,
+        )
+        return 1
+    results = verify(args.artifact, manifest.checksums)
+    bad = [(name, problem) for name, problem in results if problem is not None]
+    for name, problem in results:
+        print(f"{'ok ' if problem is None else 'BAD'} {name}" + (f": {problem}" if problem else ""))
+    if bad:
+        names = ", ".join(name for name, _ in bad)
+        print(f"{args.artifact}: {len(bad)} damaged file(s): {names}", file=sys.stderr)
+        return 1
+    print(f"{args.artifact}: {len(results)} files verified", file=sys.stderr)
+    return 0
+
+
 _DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
 
 
@@ -262,6 +301,10 @@ def _run_serve(args) -> int:
             threads=args.threads,
         ),
     )
+    try:
+        _ = engine.model  # builds the chat template: a broken one fails here, before serving
+    except ValueError as e:  # ChatTemplateError
+        raise TallowError(f"{folder}: {e}") from e
     options = ServerOptions(
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
@@ -285,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _run_generate,
         "inspect": _run_inspect,
         "serve": _run_serve,
+        "verify": _run_verify,
     }
     try:
         return commands[args.command](args)
