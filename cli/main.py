@@ -140,7 +140,7 @@ def _add_verify(sub) -> None:
         "verify",
         help="check every file of an artifact against the checksums in its manifest",
         description=(
-            "Hash every file the manifest records (weight shards, library, tokenizer, chat "
+            "Hash every file the manifest records (weight shards, tokenizer files, chat "
             "template) and compare size and sha256. Exit status 0 when all match; 1 when a "
             "file is damaged or missing (each one is named), or when the artifact was compiled "
             "before checksums were recorded."
@@ -189,6 +189,12 @@ def _add_serve(sub) -> None:
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client gets to send a whole request, headers and body (default 30)",
     )
     p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
@@ -310,11 +316,11 @@ def _run_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout,
     )
     name = args.served_model_name or Path(folder).resolve().name
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    serve(engine, name, options, args.host, args.port)
-    return 0
+    return serve(engine, name, options, args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:

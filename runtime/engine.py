@@ -213,6 +213,13 @@ class Engine:
             if not done:
                 self.abort(rid)
 
+    def fail_all_requests(self, error: BaseException) -> None:
+        """End every live request with `error` (e.g. the server's drain ran out of time); the
+        engine goes on serving. Thread-safe; takes effect at the next step boundary."""
+        with self._inbox_lock:
+            self._inbox.append(("fail", error))
+        self._wake()
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output carries finish_reason "abort". Thread-safe."""
         with self._inbox_lock:
@@ -341,6 +348,9 @@ class Engine:
         for kind, payload in inbox:
             if kind == "add":
                 self._add(*payload)
+            elif kind == "fail":
+                for rid in list(self._requests):
+                    self._fail_request(rid, payload, log_it=False)
             else:
                 self._abort(payload)
 
@@ -547,9 +557,11 @@ class Engine:
                 self._live_ids.discard(req.request_id)
         state.sink(RequestOutput(req.request_id, deltas, finished, usage))
 
-    def _fail_request(self, rid: str, error: BaseException) -> None:
+    def _fail_request(self, rid: str, error: BaseException, log_it: bool = True) -> None:
         """Something went wrong for this request alone: it gets the error, its KV is freed."""
-        log.error("request %s failed: %s: %s", rid, type(error).__name__, error, exc_info=error)
+        if log_it:
+            name = type(error).__name__
+            log.error("request %s failed: %s: %s", rid, name, error, exc_info=error)
         state = self._requests.pop(rid, None)
         if state is None:
             return

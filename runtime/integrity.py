@@ -1,8 +1,9 @@
 """Artifact integrity: checksums recorded at compile time, checked at load and by `tallow verify`.
 
-The manifest's `checksums` maps each file of the artifact (weight shards, library, tokenizer
-files, chat template) to its size and sha256; weight shards also get a *sample* hash, the
-sha256 of a few fixed 1 MiB windows (the whole file when it is no larger than those windows).
+The manifest's `checksums` maps each weight shard, tokenizer file and chat template to its
+size and sha256; weight shards also get a *sample* hash, the sha256 of a few fixed 1 MiB
+windows (the whole file when it is no larger than those windows). The library is left out:
+its bytes differ from build to build, and a damaged one fails to load by itself.
 
 At load, every size is checked, each shard's sample hash is recomputed (a few MiB read per
 shard, whatever its size), and the small tokenizer and template files are hashed in full: a

@@ -31,6 +31,7 @@ class ServerOptions:
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
+    request_timeout: float = 30.0  # seconds to receive a whole request (headers and body)
     max_tokens_cap: int = 4096  # default max_tokens when a request omits it
 
 
