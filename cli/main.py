@@ -135,6 +135,20 @@ def _add_inspect(sub) -> None:
     p.add_argument("artifact", type=Path)
 
 
+def _add_verify(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every file of an artifact against the checksums in its manifest",
+        description=(
+            "Hash every file the manifest records (weight shards, tokenizer files, chat "
+            "template) and compare size and sha256. Exit status 0 when all match; 1 when a "
+            "file is damaged or missing (each one is named), or when the artifact was compiled "
+            "before checksums were recorded."
+        ),
+    )
+    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve",
@@ -191,6 +205,12 @@ def _add_serve(sub) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default 30)",
     )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client gets to send a whole request, headers and body (default 30)",
+    )
     p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
@@ -206,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_serve(sub)
+    _add_verify(sub)
     return parser
 
 
@@ -244,6 +265,30 @@ def _run_inspect(args) -> int:
     return 0
 
 
+def _run_verify(args) -> int:
+    from tallow.runtime.integrity import verify
+    from tallow.runtime.manifest import Manifest
+
+    manifest = Manifest.read(args.artifact)
+    if manifest.checksums is None:
+        print(
+            f"{args.artifact}: no checksums recorded (compiled by an older tallow); "
+            "recompile to be able to verify it",
+            file=sys.stderr,
+        )
+        return 1
+    results = verify(args.artifact, manifest.checksums)
+    bad = [(name, problem) for name, problem in results if problem is not None]
+    for name, problem in results:
+        print(f"{'ok ' if problem is None else 'BAD'} {name}" + (f": {problem}" if problem else ""))
+    if bad:
+        names = ", ".join(name for name, _ in bad)
+        print(f"{args.artifact}: {len(bad)} damaged file(s): {names}", file=sys.stderr)
+        return 1
+    print(f"{args.artifact}: {len(results)} files verified", file=sys.stderr)
+    return 0
+
+
 _DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
 
 
@@ -277,6 +322,10 @@ def _run_serve(args) -> int:
             threads=args.threads,
         ),
     )
+    try:
+        _ = engine.model  # builds the chat template: a broken one fails here, before serving
+    except ValueError as e:  # ChatTemplateError
+        raise TallowError(f"{folder}: {e}") from e
     options = ServerOptions(
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
@@ -285,11 +334,11 @@ def _run_serve(args) -> int:
         ui=not args.no_ui,
         allowed_hosts=_comma_list(args.allowed_hosts),
         allowed_origins=_comma_list(args.allowed_origins),
+        request_timeout=args.request_timeout,
     )
     name = args.served_model_name or Path(folder).resolve().name
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    serve(engine, name, options, args.host, args.port)
-    return 0
+    return serve(engine, name, options, args.host, args.port)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:
@@ -307,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _run_generate,
         "inspect": _run_inspect,
         "serve": _run_serve,
+        "verify": _run_verify,
     }
     try:
         return commands[args.command](args)

@@ -11,6 +11,7 @@ import json
 from tallow.model_defs.config import ConfigError
 from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
 from tallow.runtime.errors import ModelSourceError, TargetError
+from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import (
     FORMAT_VERSION,
     KVCacheInfo,
@@ -166,6 +167,20 @@ def write_manifest(state: CompileState) -> str:
         functions=state.functions,
         params=state.param_infos,
         tokenizer=state.tokenizer_info,
+        checksums=_artifact_checksums(state),
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"
+
+
+def _artifact_checksums(state: CompileState) -> dict:
+    """Size and sha256 of the weight shards, tokenizer files and chat template (see
+    `runtime.integrity`). Not the library: its bytes differ from one build to the next, and
+    the manifest stays byte-identical across compiles of the same input."""
+    info = state.tokenizer_info
+    shards = {p.shard for p in state.param_infos}
+    names = {*shards, *info.files}
+    if info.chat_template:
+        names.add(info.chat_template)
+    names = {n for n in names if (state.work_dir / n).is_file()}
+    return record_checksums(state.work_dir, names, sampled=shards)

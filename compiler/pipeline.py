@@ -2,12 +2,18 @@
 
 Each phase reads and extends one `CompileState`. The artifact is written into a temporary
 folder next to its destination and renamed at the very end, so a failed compile leaves
-nothing half-written behind.
+nothing half-written behind. A compile that is killed (no cleanup runs) leaves its hidden
+`.NAME.*.partial` folder; it records its owner (PID, host, process start time) in it, and the
+next compile into the same output folder removes the partial folders whose owner is gone.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +25,10 @@ from tallow.runtime.errors import TallowError
 from .progress import Progress
 from .source import ModelSource
 from .target import TargetSpec
+
+log = logging.getLogger(__name__)
+
+OWNER_FILE = ".tallow-owner.json"  # inside a .partial folder: who is writing it
 
 
 @dataclass
@@ -87,6 +97,7 @@ def compile_model(options: CompileOptions) -> Path:
             state.progress.done(phase(state))
         assert state.work_dir is not None and state.final_dir is not None
         state.work_dir.chmod(0o755)  # mkdtemp makes it private; an artifact is for sharing
+        (state.work_dir / OWNER_FILE).unlink(missing_ok=True)
         if state.final_dir.exists():
             shutil.rmtree(state.final_dir)
         state.work_dir.rename(state.final_dir)
@@ -106,4 +117,58 @@ def make_work_dir(state: CompileState, name: str) -> None:
             f"{state.final_dir} already exists; pass --overwrite to replace it or --name to "
             f"choose another name"
         )
-    state.work_dir = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=out))
+    remove_stale_partials(out)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=out))
+    state.work_dir = work
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+    (work / OWNER_FILE).write_text(json.dumps(owner), encoding="utf-8")
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (Linux: /proc), to tell a reused PID from the owner."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime in clock ticks
+
+
+def _owner_alive(owner: dict) -> bool:
+    """Whether the process that wrote a partial folder may still be running. A folder from
+    another host, or an unreadable record, counts as alive: it is never ours to delete."""
+    try:
+        pid, host, start = int(owner["pid"]), owner["host"], owner.get("start")
+    except (KeyError, TypeError, ValueError):
+        return True
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    now = _start_time(pid)
+    return start is None or now is None or now == start  # a different start: a reused PID
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove the `.*.partial` folders in `out` left by compiles that were killed (their
+    owning process is gone); return them. A folder without an owner record (an older
+    tallow's, or one being created right now) is left alone."""
+    removed = []
+    for path in sorted(out.glob(".*.partial")):
+        record = path / OWNER_FILE
+        if not path.is_dir() or not record.is_file():
+            continue
+        try:
+            owner = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and not _owner_alive(owner):
+            log.warning(
+                "removing %s, left by a compile (pid %s) that was killed", path, owner["pid"]
+            )
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -14,6 +14,7 @@ import numpy as np
 
 from .devices import DEVICE_KINDS
 from .errors import ArtifactError
+from .integrity import check_at_load
 from .manifest import Manifest
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
@@ -38,10 +39,19 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> TokenizerBundle:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ArtifactError(f"{folder}: tokenizer.json is missing")
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArtifactError(f"{folder}: tokenizer.json is damaged or unreadable ({first})") from e
     template = None
     if info.chat_template:
-        template = (folder / info.chat_template).read_text(encoding="utf-8")
+        try:
+            template = (folder / info.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ArtifactError(
+                f"{folder}: chat template {info.chat_template} is damaged or unreadable ({e})"
+            ) from e
     return TokenizerBundle(
         tokenizer=tokenizer,
         bos_token_id=info.bos_token_id,
@@ -74,6 +84,10 @@ def check_artifact_files(folder: Path, manifest: Manifest) -> None:
     for shard in sorted({p.shard for p in manifest.params}):
         if not (folder / shard).is_file():
             raise ArtifactError(f"{folder}: weight shard {shard} is missing")
+    # Sizes, the shards' sample hashes, and the small tokenizer/template files in full.
+    info = manifest.tokenizer
+    small = [*info.files, *([info.chat_template] if info.chat_template else [])]
+    check_at_load(folder, manifest.checksums, full=small)
 
 
 def read_weights(folder: Path, manifest: Manifest) -> list[np.ndarray]:

@@ -15,6 +15,13 @@ GIL); those rows are sampled on the host with disallowed tokens at -inf, and eac
 token advances its matcher. A grammar that is complete finishes its sequence with "stop"; one
 that cannot go on (no token allowed, or the matcher errored) with "grammar_error", without
 sampling. An n > 1 fork clones its parent's matcher; a preempted sequence keeps its own.
+
+Failures. What goes wrong for one sequence (its sampling parameters, its grammar matcher, its
+detokenizer or stop handling, the postprocessing of its row) fails that request alone: its
+sink gets the error, its KV is freed, and every other sequence of the step carries on. A
+forward that raises fails the requests of that batch; waiting ones stay queued and the
+engine keeps serving. Only an error outside both (a bug in the scheduler, say) fails
+everything live (`_fail_all`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import threading
 import time
 import uuid
@@ -59,6 +67,8 @@ from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
 from tallow.runtime.served_model import ServedModel
 from tallow.runtime.step_sampling import Histories, StepSampler
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
 
@@ -203,6 +213,13 @@ class Engine:
             if not done:
                 self.abort(rid)
 
+    def fail_all_requests(self, error: BaseException) -> None:
+        """End every live request with `error` (e.g. the server's drain ran out of time); the
+        engine goes on serving. Thread-safe; takes effect at the next step boundary."""
+        with self._inbox_lock:
+            self._inbox.append(("fail", error))
+        self._wake()
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output carries finish_reason "abort". Thread-safe."""
         with self._inbox_lock:
@@ -296,18 +313,34 @@ class Engine:
                     1, thread_name_prefix="tallow-grammar"
                 )
             job = self._mask_pool.submit(compute_masks, matchers)
+        arr = None
         try:
             logits = self.runner.forward(out.forward_items) if out.items else None
+        except Exception as e:  # noqa: BLE001 - the batch fails; the engine serves on
+            self._fail_batch(out, e)
+            return
         finally:
             # Never leave the worker touching matchers past this point, even on failure.
             t0 = time.perf_counter()
-            arr = job.result() if job is not None else None
-        if matchers and arr is None:
-            arr = compute_masks(matchers)
+            if job is not None:
+                with contextlib.suppress(Exception):  # a failed batch is redone below
+                    arr = job.result()
+        failed: dict[str, BaseException] = {}
+        masks: dict[int, np.ndarray] = {}
         if matchers:
+            if arr is None and job is None:
+                with contextlib.suppress(Exception):
+                    arr = compute_masks(matchers)
+            if arr is not None:
+                masks = {st.seq.seq_id: arr[i] for i, st in enumerate(constrained)}
+            else:  # the batch raised: one matcher at a time, to find whose it was
+                for st in constrained:
+                    try:
+                        masks[st.seq.seq_id] = compute_masks([st.matcher])[0]
+                    except Exception as e:  # noqa: BLE001 - fails this sequence only
+                        failed.setdefault(st.seq.request.request_id, e)
             self.mask_wait_s += time.perf_counter() - t0
-        masks = {st.seq.seq_id: arr[i] for i, st in enumerate(constrained)}  # type: ignore[index]
-        self._postprocess(out, logits, masks)
+        self._postprocess(out, logits, masks, failed)
 
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
@@ -315,6 +348,9 @@ class Engine:
         for kind, payload in inbox:
             if kind == "add":
                 self._add(*payload)
+            elif kind == "fail":
+                for rid in list(self._requests):
+                    self._fail_request(rid, payload, log_it=False)
             else:
                 self._abort(payload)
 
@@ -362,8 +398,12 @@ class Engine:
         out: SchedulerOutput,
         logits: np.ndarray | None,
         masks: dict[int, np.ndarray] | None = None,
+        failed: dict[str, BaseException] | None = None,
     ) -> None:
+        """Sample the rows that need it and stream the results. `failed` (request id ->
+        error) collects the requests something went wrong for; they fail at the end, alone."""
         masks = masks or {}
+        failed = {} if failed is None else failed
         rows: list[int] = []
         states: list[CompletionStream] = []
         row_masks: list[np.ndarray | None] = []
@@ -372,46 +412,106 @@ class Engine:
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
             seq = item.seq
-            group = [self._by_seq[seq.seq_id]]
-            if seq.pending_forks:
-                # n > 1: the prompt was prefilled once; the siblings share its KV and sample
-                # their first token from the same logits row (and mask: a fork's matcher is a
-                # copy of its parent's, which has consumed nothing yet).
-                req_state = self._requests[seq.request.request_id]
-                parent = group[0].matcher
-                for child in self.scheduler.fork_children(seq):
-                    matcher = parent.clone() if parent is not None else None
-                    group.append(self._track(req_state, child, matcher))
-            mask = masks.get(seq.seq_id)
-            for st in group:
-                if st.matcher is not None:
-                    ended = self._grammar_end(st, mask)
-                    if ended is not None:
-                        delta = self._retire(st, st.finish(ended))
-                        per_request.setdefault(seq.request.request_id, []).append(delta)
-                        continue
-                rows.append(row)
-                states.append(st)
-                row_masks.append(mask if st.matcher is not None else None)
-        if states:
-            assert logits is not None
+            rid = seq.request.request_id
+            if rid in failed:
+                continue
+            try:
+                group = self._sampling_group(seq)
+                mask = masks.get(seq.seq_id)
+                for st in group:
+                    if st.matcher is not None:
+                        ended = self._grammar_end(st, mask)
+                        if ended is not None:
+                            delta = self._retire(st, st.finish(ended))
+                            per_request.setdefault(rid, []).append(delta)
+                            continue
+                    rows.append(row)
+                    states.append(st)
+                    row_masks.append(mask if st.matcher is not None else None)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                failed[rid] = e
+        for st, token, lp in self._sample(logits, rows, states, row_masks, failed):
+            rid = st.seq.request.request_id
+            if rid in failed:
+                continue
+            try:
+                delta = self._accept(st, token, lp)
+            except Exception as e:  # noqa: BLE001 - e.g. its detokenizer or stop strings
+                failed[rid] = e
+                continue
+            per_request.setdefault(rid, []).append(delta)
+        for rid, deltas in per_request.items():
+            if rid not in failed:
+                self._emit(self._requests[rid], deltas)
+        for rid, error in failed.items():
+            self._fail_request(rid, error)
+
+    def _sampling_group(self, seq: SequenceState) -> list[CompletionStream]:
+        """The streams that sample from `seq`'s row: itself, plus its n > 1 siblings at the
+        end of the prompt's prefill (they fork off it here)."""
+        group = [self._by_seq[seq.seq_id]]
+        if seq.pending_forks:
+            # n > 1: the prompt was prefilled once; the siblings share its KV and sample
+            # their first token from the same logits row (and mask: a fork's matcher is a
+            # copy of its parent's, which has consumed nothing yet).
+            req_state = self._requests[seq.request.request_id]
+            parent = group[0].matcher
+            for child in self.scheduler.fork_children(seq):
+                matcher = parent.clone() if parent is not None else None
+                group.append(self._track(req_state, child, matcher))
+        return group
+
+    def _sample(
+        self,
+        logits: np.ndarray | None,
+        rows: list[int],
+        states: list[CompletionStream],
+        row_masks: list[np.ndarray | None],
+        failed: dict[str, BaseException],
+    ) -> list[tuple[CompletionStream, int, TokenLogprob | None]]:
+        """One token per stream. If the batched call raises, each stream is sampled on its
+        own, so only the request whose row cannot be sampled fails (into `failed`)."""
+        if not states:
+            return []
+        assert logits is not None
+
+        def run(idx: list[int]) -> list[tuple[CompletionStream, int, TokenLogprob | None]]:
+            sts = [states[i] for i in idx]
+            ms = [row_masks[i] for i in idx]
             sampled = self.sampling.sample(
                 logits,
-                rows,
-                [st.seq.request.params for st in states],
-                [st.generator for st in states],
-                Histories([st.seq for st in states], prompt=True),
-                Histories([st.seq for st in states], prompt=False),
-                row_masks if any(m is not None for m in row_masks) else None,
+                [rows[i] for i in idx],
+                [st.seq.request.params for st in sts],
+                [st.generator for st in sts],
+                Histories([st.seq for st in sts], prompt=True),
+                Histories([st.seq for st in sts], prompt=False),
+                ms if any(m is not None for m in ms) else None,
             )
-            for i, st in enumerate(states):
-                token, logprob = int(sampled.token_ids[i]), sampled.logprobs[i]
-                top = sampled.top_logprobs[i]
-                lp = None if logprob is None else TokenLogprob(token, logprob, top)
-                delta = self._accept(st, token, lp)
-                per_request.setdefault(st.seq.request.request_id, []).append(delta)
-        for rid, deltas in per_request.items():
-            self._emit(self._requests[rid], deltas)
+            result = []
+            for j, st in enumerate(sts):
+                token, logprob = int(sampled.token_ids[j]), sampled.logprobs[j]
+                lp = (
+                    None
+                    if logprob is None
+                    else TokenLogprob(token, logprob, sampled.top_logprobs[j])
+                )
+                result.append((st, token, lp))
+            return result
+
+        try:
+            return run(list(range(len(states))))
+        except Exception:  # noqa: BLE001 - find the row(s) that raise
+            log.warning("batched sampling failed; sampling each sequence on its own")
+        result = []
+        for i, st in enumerate(states):
+            rid = st.seq.request.request_id
+            if rid in failed:
+                continue
+            try:
+                result += run([i])
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                failed[rid] = e
+        return result
 
     def _grammar_end(self, st: CompletionStream, mask: np.ndarray | None) -> FinishReason | None:
         """Why a constrained sequence ends before sampling (None: it samples from `mask`)."""
@@ -457,8 +557,32 @@ class Engine:
                 self._live_ids.discard(req.request_id)
         state.sink(RequestOutput(req.request_id, deltas, finished, usage))
 
+    def _fail_request(self, rid: str, error: BaseException, log_it: bool = True) -> None:
+        """Something went wrong for this request alone: it gets the error, its KV is freed."""
+        if log_it:
+            name = type(error).__name__
+            log.error("request %s failed: %s: %s", rid, name, error, exc_info=error)
+        state = self._requests.pop(rid, None)
+        if state is None:
+            return
+        for seq in self.scheduler.abort_request(rid):
+            self._by_seq.pop(seq.seq_id, None)
+        for st in state.seqs.values():
+            self._by_seq.pop(st.seq.seq_id, None)
+        with self._inbox_lock:
+            self._live_ids.discard(rid)
+        state.sink(error)
+
+    def _fail_batch(self, out: SchedulerOutput, error: BaseException) -> None:
+        """The forward raised: the requests it ran fail; the rest stay queued."""
+        log.error("the forward failed: %s: %s", type(error).__name__, error, exc_info=error)
+        for rid in dict.fromkeys(item.seq.request.request_id for item in out.items):
+            self._fail_request(rid, error)
+
     def _fail_all(self, error: BaseException) -> None:
-        """A step raised: every live request gets the error and its KV is freed."""
+        """A step raised outside any one request's work: every live request gets the error
+        and its KV is freed; the engine then serves new requests."""
+        log.error("engine step failed: %s: %s", type(error).__name__, error, exc_info=error)
         self.scheduler.abort_all()
         for rid, state in list(self._requests.items()):
             with self._inbox_lock:

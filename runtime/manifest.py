@@ -84,6 +84,9 @@ class Manifest:
     functions: list[str]
     params: list[ParamInfo]
     tokenizer: TokenizerInfo
+    # file name -> {size, sha256[, sample_sha256]} (see `integrity`); None: an artifact from
+    # before checksums were recorded
+    checksums: dict[str, dict[str, Any]] | None = None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False, allow_unicode=True)
@@ -124,6 +127,15 @@ class Manifest:
                 functions=list(raw["functions"]),
                 params=[ParamInfo(**p) for p in raw["params"]],
                 tokenizer=TokenizerInfo(**raw["tokenizer"]),
+                checksums=_checksums(path, raw.get("checksums")),
             )
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e
+
+
+def _checksums(path: Path, raw: Any) -> dict[str, dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ArtifactError(f"{path}: checksums must map file names to {{size, sha256}}")
+    return raw

@@ -41,6 +41,7 @@ class ServerOptions:
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
+    request_timeout: float = 30.0  # seconds to receive a whole request (headers and body)
     max_tokens_cap: int = 4096  # chat's max_tokens when a request omits it: room left, capped
     # The Host check (`tallow.server.gate`): the bind address, and names allowed besides the
     # defaults ("*": any); CORS: origins whose pages may call the API ("*": any).

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .protocol import ErrorInfo, ErrorResponse
 
@@ -76,6 +77,13 @@ def install_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return APIError(e.status_code, str(e.detail), code=code, headers=e.headers).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, _: ClientDisconnect) -> JSONResponse:
+        # Nobody is left to read an answer; one line, not a traceback.
+        client = request.client.host if request.client else "?"
+        log.info("client %s left while sending %s %s", client, request.method, request.url.path)
+        return APIError(400, "the client disconnected", code="client_disconnected").response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

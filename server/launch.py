@@ -1,28 +1,93 @@
 """Running the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
 
-uvicorn already stops accepting connections on a signal and waits up to
-`timeout_graceful_shutdown` for in-flight requests; we add the app's draining flag so new
-requests on connections still open get 503 (and /health fails) instead of being served.
+On a signal the app's draining flag is set: new requests get 503 (`shutting_down`) and
+/health answers 503, while the listener stays open so that clients get that answer instead
+of a refused connection. In-flight requests get up to `--shutdown-timeout` seconds to finish.
+If some are still running then, they end with an error (an SSE `data:` event in OpenAI's
+error shape, then `data: [DONE]`, for a stream; a 503 otherwise) and the process exits with
+status 1; a drain that completes exits 0. Only then does uvicorn close the listener and the
+connections.
+
+Connections. uvicorn closes idle keep-alive connections after `timeout_keep_alive`, but a
+connection that has sent part of a request (headers or body) is never timed out by it, so a
+slow or stalled client could hold a connection forever. `GuardedH11Protocol` gives every
+request `request_timeout` seconds from the moment the connection is ready for it until its
+last body byte; past that the connection is closed (the app, if it was reading the body,
+sees a disconnect).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import ServerOptions, create_app
-from .context import ServerState
+from .errors import APIError
+
+log = logging.getLogger(__name__)
+
+# What is left after the drain: time for the final error events to reach their clients.
+_FLUSH_TIMEOUT_S = 3
+
+
+class GuardedH11Protocol(H11Protocol):
+    """h11, with a deadline for receiving each whole request (headers and body)."""
+
+    request_timeout: float = 30.0
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._guard: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        self._arm()  # the next request on this connection (maybe pipelined) gets a deadline
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if getattr(self, "_guard", None) is not None:
+            self._guard.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+        self._armed_cycle = self.cycle  # a request arriving from now on replaces it
+        self._guard = self.loop.call_later(self.request_timeout, self._expire)
+
+    def _expire(self) -> None:
+        self._guard = None
+        cycle = self.cycle
+        new = cycle is not None and cycle is not self._armed_cycle
+        if new and (not cycle.more_body or cycle.response_started):
+            return  # the request arrived whole: the app takes it from here
+        if self.transport.is_closing():
+            return
+        what = "its body" if new else "a request"
+        log.info(
+            "closing a connection from %s that did not send %s within %.0fs",
+            (self.client or ("?",))[0],
+            what,
+            self.request_timeout,
+        )
+        self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.tallow_state = state
+        self.tallow_state = app.state.tallow
+        self.tallow_engine = app.state.context.engine
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_timed_out = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.tallow_state.draining = True
@@ -31,26 +96,69 @@ class DrainingServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises the captured signal after shutting down, so the process dies
-        # "by SIGTERM"; a completed drain is a clean exit, status 0.
+        # "by SIGTERM"; the exit status is ours to choose (see `serve`).
         with super().capture_signals():
             yield
             if hasattr(self, "_captured_signals"):
                 self._captured_signals.clear()
 
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.tallow_state.draining = True
+        await self._drain()
+        await super().shutdown(sockets)  # closes the listener, then the connections
+
+    def _busy(self) -> int:
+        return len(self.server_state.tasks)
+
+    async def _drain(self) -> None:
+        """Wait for in-flight requests while the listener stays open (the gate answers 503);
+        past the timeout, end them with an error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        if self._busy():
+            log.warning("draining %d request(s), up to %.0fs", self._busy(), self.shutdown_timeout)
+        while self._busy() and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if not self._busy():
+            return
+        self.drain_timed_out = True
+        log.error(
+            "shutdown timeout (%.0fs) passed with %d request(s) running; ending them with an error",
+            self.shutdown_timeout,
+            self._busy(),
+        )
+        error = APIError(
+            503,
+            "the server shut down before this request finished",
+            type="server_error",
+            code="shutting_down",
+        )
+        with contextlib.suppress(AttributeError):  # an engine stand-in without the method
+            self.tallow_engine.fail_all_requests(error)
+
 
 def make_server(app: FastAPI, host: str, port: int, options: ServerOptions) -> DrainingServer:
+    protocol = type(
+        "GuardedH11Protocol", (GuardedH11Protocol,), {"request_timeout": options.request_timeout}
+    )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        timeout_graceful_shutdown=max(1, int(options.shutdown_timeout + 0.999)),
+        http=protocol,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=_FLUSH_TIMEOUT_S,
         log_level="warning",
         lifespan="on",
     )
-    return DrainingServer(config, app.state.tallow)
+    return DrainingServer(config, app, options.shutdown_timeout)
 
 
-def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port: int) -> None:
+def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port: int) -> int:
+    """Serve until a signal; the exit status: 0 after a complete drain, 1 when requests had
+    to be cut off at the shutdown timeout."""
     options = dataclasses.replace(options, host=host)  # the Host check allows the bind address
     app = create_app(engine, model_name, options)
-    make_server(app, host, port, options).run()
+    server = make_server(app, host, port, options)
+    server.run()
+    return 1 if server.drain_timed_out else 0

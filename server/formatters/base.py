@@ -134,7 +134,12 @@ class ResponseFormatter(ABC):
                     chunk = self.delta_chunk(job, idx, d.text, d.logprobs, offset, d.finish_reason)
                     yield event(chunk)
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end cleanly
-            err = ErrorInfo(message=f"engine error: {e}", type="server_error", code="engine_error")
+            if isinstance(e, APIError):  # e.g. the drain ran out of time: shutting_down
+                err = e.info
+            else:
+                err = ErrorInfo(
+                    message=f"engine error: {e}", type="server_error", code="engine_error"
+                )
             yield sse_event(ErrorResponse(error=err).model_dump())
             yield sse_event("[DONE]")
             return
