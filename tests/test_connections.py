@@ -59,7 +59,7 @@ def _normal_request_works(base: str) -> None:
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
-HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
 
 
 def test_half_sent_requests_are_closed(server):
