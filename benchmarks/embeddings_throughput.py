@@ -33,12 +33,14 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-mem", type=float, default=256, help="MB (default 256)")
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
 
-    engine = build_engine(
-        args.artifact, EngineOptions(max_num_seqs=args.max_num_seqs, threads=args.threads)
+    options = EngineOptions(
+        max_num_seqs=args.max_num_seqs, kv_cache_mem_mb=args.kv_cache_mem, threads=args.threads
     )
+    engine = build_engine(args.artifact, options)
     prompts = [engine.model.encode_text(t) for t in texts(args.texts)]
     tokens = sum(len(p) for p in prompts)
     engine.embed_sync(prompts[:4])  # warm-up

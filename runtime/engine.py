@@ -55,6 +55,7 @@ from tallow.runtime.detokenizer import byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
+    ContextLengthExceededError,
     EmbeddingOutput,
     EngineStats,
     FinishReason,
@@ -318,7 +319,12 @@ class Engine:
             )
         if any(not 0 <= int(t) < self.runner.vocab_size for t in prompt_token_ids):
             raise ValueError("prompt token id outside the vocabulary")
-        self.scheduler.check_request(len(prompt_token_ids), 0, 1)
+        n, window = len(prompt_token_ids), self.scheduler.context_window
+        if n > window:
+            raise ContextLengthExceededError(
+                f"this model's context window is {window} tokens; the input has {n}"
+            )
+        self.scheduler.check_request(n, 0, 1)
 
     def submit_embedding(
         self, prompt_token_ids: list[int], sink: Sink, request_id: str | None = None

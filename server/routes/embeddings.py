@@ -44,6 +44,11 @@ async def embeddings(
         )
     prompts = embedding_prompts(req, context.model)
     dimensions = check_dimensions(req.dimensions, engine.embedding_dimensions)
+    try:
+        for ids in prompts:
+            engine.check_embedding_prompt(ids)
+    except ValueError as e:
+        raise _rejection(e) from None
     state, metrics = context.state, context.metrics
     if state.queued >= context.options.max_queued_requests:
         raise APIError(
@@ -61,7 +66,7 @@ async def embeddings(
     try:
         vectors = await engine.embed(prompts)
         reason = "stop"
-    except ValueError as e:  # raised before anything was queued
+    except ValueError as e:  # raised before anything was queued (checked above already)
         raise _rejection(e) from None
     finally:
         state.queued -= 1
