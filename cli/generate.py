@@ -57,6 +57,11 @@ def run_generate(args) -> int:
         threads=args.threads,
     )
     load_seconds = time.perf_counter() - t_load
+    if not runner.supports_generation:
+        raise TallowError(
+            f"{args.artifact} was compiled with --task embed: it serves embeddings only "
+            "(tallow serve, POST /v1/embeddings)"
+        )
     model = ServedModel.from_runner(runner)
     prompt_ids = encode_prompt(model, prompt, args.chat, args.system)
     detok = IncrementalDetokenizer(model.tokenizer, prompt_ids)

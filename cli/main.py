@@ -103,6 +103,23 @@ def _add_compile(sub) -> None:
         type=int,
         help="cap the context window below the model's maximum (smaller KV cache)",
     )
+    p.add_argument(
+        "--task",
+        choices=("generate", "embed"),
+        default="generate",
+        help=(
+            "generate: text generation, and embeddings from the same artifact (default); "
+            "embed: embeddings only (no decode functions, sampler or untied lm_head)"
+        ),
+    )
+    p.add_argument(
+        "--pooling",
+        choices=("mean", "last"),
+        help=(
+            "how embeddings pool the hidden states (default: the source's "
+            "1_Pooling/config.json, last token for *Embedding* models, else mean)"
+        ),
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -246,6 +263,8 @@ def _run_compile(args) -> int:
             context_window=args.context_window,
             overwrite=args.overwrite,
             quiet=args.quiet,
+            task=args.task,
+            pooling=args.pooling,
         )
     )
     print(out)

@@ -9,11 +9,13 @@ import importlib.metadata
 import json
 
 from tallow.model_defs.config import ConfigError
+from tallow.model_defs.decoder import HIDDEN_FUNCTION, TASKS
 from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
 from tallow.runtime.errors import ModelSourceError, TargetError
 from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import (
     FORMAT_VERSION,
+    EmbeddingInfo,
     KVCacheInfo,
     Manifest,
     ManifestModel,
@@ -22,6 +24,7 @@ from tallow.runtime.manifest import (
 
 from . import tokenizer_files
 from .pipeline import CompileState, make_work_dir
+from .pooling import choose_pooling
 from .quant_plan import check_quant_option, make_plan
 from .source import resolve_source, sha256_file
 from .target import DTYPES, resolve_target
@@ -40,8 +43,25 @@ def read_config(state: CompileState) -> str:
     if opts.context_window:
         config.context_window_size = min(opts.context_window, config.context_window_size)
     check_quant_option(opts.quant, opts.dtype)
+    if opts.task not in TASKS:
+        raise ModelSourceError(f"--task {opts.task!r}: choose from {', '.join(TASKS)}")
     state.checkpoint = checkpoint = source.open_checkpoint()
     state.weight_map = source.weight_map(arch, config)
+    if opts.task == "embed":
+        # Embeddings never read the output head: its weights stay out of the artifact.
+        state.weight_map.pop("lm_head.weight", None)
+    try:
+        pooling, pooling_source = choose_pooling(source.folder, source.name, opts.pooling)
+    except ModelSourceError:
+        if opts.task == "embed":
+            raise
+        pooling, pooling_source = "mean", "default"  # a generation artifact still compiles
+    state.embedding = EmbeddingInfo(
+        function=HIDDEN_FUNCTION,
+        pooling=pooling,
+        dimensions=config.hidden_size,
+        pooling_source=pooling_source,
+    )
     check_sources_present(state.weight_map, checkpoint.names())
     state.quant_plan = plan = make_plan(
         opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
@@ -51,18 +71,24 @@ def read_config(state: CompileState) -> str:
             f"quantized weights ({plan.label}) run with --dtype f32 on the {opts.target} target "
             f"for now; pass --dtype f32 or --quant {opts.dtype}"
         )
-    name = opts.name or f"{source.name}-{plan.label}-{state.target.suffix}"
+    task_suffix = "-embed" if opts.task == "embed" else ""
+    name = opts.name or f"{source.name}-{plan.label}-{state.target.suffix}{task_suffix}"
     make_work_dir(state, name)
     return (
         f"{arch.hf_name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads}/{config.num_key_value_heads} heads; weights {plan.label}"
+        f"{config.num_attention_heads}/{config.num_key_value_heads} heads; weights {plan.label}; "
+        f"task {opts.task} ({pooling} pooling from {pooling_source})"
     )
 
 
 def build_module(state: CompileState) -> str:
     dtype = DTYPES[state.options.dtype]
     state.module = state.architecture.build(
-        state.config, dtype, state.target.tvm(), quant=state.quant_plan.types
+        state.config,
+        dtype,
+        state.target.tvm(),
+        quant=state.quant_plan.types,
+        task=state.options.task,
     )
     return f"{type(state.module).__name__} ({dtype})"
 
@@ -89,6 +115,8 @@ def export_functions(state: CompileState) -> str:
 def add_sampler(state: CompileState) -> str:
     from .sampler_function import SAMPLER_FUNCTION, add_sampler_function
 
+    if state.options.task == "embed":
+        return "none: an embedding artifact samples no tokens"
     vocab = state.config.vocab_size
     state.ir_module = add_sampler_function(state.ir_module, vocab, state.target.backend)
     state.functions.append(SAMPLER_FUNCTION)
@@ -167,6 +195,8 @@ def write_manifest(state: CompileState) -> str:
         functions=state.functions,
         params=state.param_infos,
         tokenizer=state.tokenizer_info,
+        task=opts.task,
+        embedding=state.embedding,
         checksums=_artifact_checksums(state),
     )
     manifest.write(state.work_dir)

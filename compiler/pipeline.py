@@ -45,6 +45,10 @@ class CompileOptions:
     context_window: int | None = None
     overwrite: bool = False
     quiet: bool = False
+    # "generate": a generation artifact, which also serves embeddings; "embed": embeddings only
+    # (no logits, decode functions, sampler or untied lm_head weights).
+    task: str = "generate"
+    pooling: str | None = None  # embeddings: "mean" or "last"; None: as the source says
 
 
 @dataclass
@@ -68,6 +72,7 @@ class CompileState:
     param_infos: list = field(default_factory=list)
     tokenizer_info: Any = None
     functions: list[str] = field(default_factory=list)
+    embedding: Any = None  # runtime.manifest.EmbeddingInfo
 
 
 def _phases() -> list[tuple[str, Callable[[CompileState], str]]]:
@@ -77,7 +82,7 @@ def _phases() -> list[tuple[str, Callable[[CompileState], str]]]:
         ("read model config", phases.read_config),
         ("build the model module", phases.build_module),
         ("export functions to Relax", phases.export_functions),
-        ("add the token sampler", phases.add_sampler),
+        ("add the token sampler", phases.add_sampler),  # a no-op for --task embed
         ("lower through the Relax pipeline", phases.lower),
         ("build the library", phases.build_library),
         ("convert weights", phases.convert_weights),

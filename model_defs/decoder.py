@@ -21,15 +21,21 @@ from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul
 # "none" means a plain float weight of the model's dtype.
 QuantTypes = dict[str, str]
 
-# The exported function names, in the order the manifest lists them.
+# The exported function names, in the order the manifest lists them, per compile task:
+# "generate" (the default) also carries the hidden-state function, so a generation artifact
+# serves embeddings too; "embed" has no logits, decode or sampler at all.
+HIDDEN_FUNCTION = "batch_prefill_hidden"
+TASKS = ("generate", "embed")
 EXPORTED_FUNCTIONS = (
     "embed",
     "prefill",
     "decode",
     "batch_prefill",
     "batch_decode",
+    HIDDEN_FUNCTION,
     "create_paged_kv_cache",
 )
+EMBED_FUNCTIONS = ("embed", HIDDEN_FUNCTION, "create_paged_kv_cache")
 
 
 class BiasedQuantLinear(QuantLinear):
@@ -134,17 +140,32 @@ class DecoderBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """The exported model: token embedding, prefill/decode (single and batched), KV cache."""
+    """The exported model: token embedding, prefill/decode (single and batched), the final
+    hidden states of a prefill (embeddings), KV cache.
+
+    With `task="embed"` only the embedding path is exported and the untied `lm_head` is not
+    built at all, so its weights stay out of the artifact.
+    """
 
     def __init__(
-        self, config: DecoderConfig, dtype: str, target: Target, quant: QuantTypes | None = None
+        self,
+        config: DecoderConfig,
+        dtype: str,
+        target: Target,
+        quant: QuantTypes | None = None,
+        task: str = "generate",
     ):
+        if task not in TASKS:
+            raise ValueError(f"unknown compile task {task!r}; choose from {', '.join(TASKS)}")
         quant = dict(quant or {})
         self.config = config
         self.dtype = dtype
         self.target = target
+        self.task = task
         self.model = DecoderBody(config, dtype, quant)
-        if not config.tie_word_embeddings:
+        if task == "embed":
+            self.lm_head = None  # never called: the embed task exports no logits
+        elif not config.tie_word_embeddings:
             vocab, hidden = config.vocab_size, config.hidden_size
             self.lm_head = linear("lm_head", hidden, vocab, False, dtype, quant)
         else:
@@ -186,6 +207,12 @@ class DecoderLM(nn.Module):
     def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embeds, kv_cache)), kv_cache
 
+    def batch_prefill_hidden(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        """`batch_prefill`'s calling convention, returning every token's final hidden state
+        (after the last norm), float32 `[1, total_tokens, hidden]`: what embeddings pool."""
+        hidden = self.model(input_embeds, kv_cache)
+        return (hidden.astype("float32") if hidden.dtype != "float32" else hidden), kv_cache
+
     def create_paged_kv_cache(
         self,
         max_batch_size: rx.Var,
@@ -225,7 +252,7 @@ class DecoderLM(nn.Module):
         hidden, dtype = self.config.hidden_size, self.dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
         cache = nn.spec.Object(object_type=PagedKVCache)
-        return {
+        spec = {
             "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
             "prefill": {
                 "input_embed": nn.spec.Tensor([1, "seq_len", hidden], dtype),
@@ -248,6 +275,11 @@ class DecoderLM(nn.Module):
                 "kv_cache": cache,
                 "$": packed,
             },
+            HIDDEN_FUNCTION: {
+                "input_embeds": nn.spec.Tensor([1, "seq_len", hidden], dtype),
+                "kv_cache": cache,
+                "$": packed,
+            },
             "create_paged_kv_cache": {
                 "max_batch_size": int,
                 "max_total_seq_len": int,
@@ -257,3 +289,5 @@ class DecoderLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        names = EMBED_FUNCTIONS if self.task == "embed" else EXPORTED_FUNCTIONS
+        return {name: spec[name] for name in names}

@@ -22,6 +22,15 @@ sink gets the error, its KV is freed, and every other sequence of the step carri
 forward that raises fails the requests of that batch; waiting ones stay queued and the
 engine keeps serving. Only an error outside both (a bug in the scheduler, say) fails
 everything live (`_fail_all`).
+
+Embeddings (`embed`, `submit_embedding`). An embedding request is a prompt that goes through
+the scheduler and KV manager like any prefill, sharing each step's token budget with
+generation. Its chunks run through `runner.forward_hidden` in the same step as the generation
+items' `forward`; the engine pools the rows on the host across chunks (a running sum and
+count for mean pooling, the final row for last-token pooling, restarted when a preempted
+sequence prefills again from its first token), and once the last chunk ran the request
+finishes: its L2-normalised vector goes to its sink and its pages are freed (never kept as
+a prefix-cache entry).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -53,10 +63,13 @@ from tallow.runtime.detokenizer import byte_level_pieces
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
     CompletionDelta,
+    ContextLengthExceededError,
+    EmbeddingOutput,
     EngineStats,
     FinishReason,
     Request,
     RequestOutput,
+    ScheduledItem,
     SchedulerOutput,
     SequenceState,
     TokenLogprob,
@@ -70,10 +83,56 @@ from tallow.runtime.step_sampling import Histories, StepSampler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompletionDelta", "Engine", "EngineStats", "RequestOutput", "TokenLogprob", "Usage"]
+__all__ = [
+    "CompletionDelta",
+    "EmbeddingOutput",
+    "EmbeddingsNotSupportedError",
+    "Engine",
+    "EngineStats",
+    "GenerationNotSupportedError",
+    "RequestOutput",
+    "TokenLogprob",
+    "Usage",
+]
 
 
-Sink = Callable[["RequestOutput | BaseException"], None]
+Sink = Callable[["RequestOutput | EmbeddingOutput | BaseException"], None]
+
+
+class EmbeddingsNotSupportedError(ValueError):
+    """The model has no hidden-state function (an artifact compiled before embeddings)."""
+
+
+class GenerationNotSupportedError(ValueError):
+    """The model is embedding-only (`tallow compile --task embed`)."""
+
+
+class EmbeddingAbortedError(RuntimeError):
+    """An embedding request was aborted before its vector was ready."""
+
+
+@dataclass
+class _Pool:
+    """Host-side pooling of one embedding request's hidden states, chunk by chunk."""
+
+    pooling: str  # "mean" or "last"
+    total: np.ndarray | None = None  # float64 sum of the rows so far (mean)
+    count: int = 0
+    last: np.ndarray | None = None
+
+    def add(self, rows: np.ndarray, restart: bool) -> None:
+        if restart:  # the prompt prefills from its first token (again, after a preemption)
+            self.total, self.count = None, 0
+        part = rows.sum(axis=0, dtype=np.float64)
+        self.total = part if self.total is None else self.total + part
+        self.count += len(rows)
+        self.last = rows[-1]
+
+    def vector(self) -> np.ndarray:
+        assert self.total is not None and self.last is not None
+        v = self.total / self.count if self.pooling == "mean" else self.last.astype(np.float64)
+        norm = float(np.linalg.norm(v))
+        return (v / norm if norm > 0 else v).astype(np.float32)
 
 
 @dataclass
@@ -99,6 +158,27 @@ class _QueueSink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class _FutureSink:
+    """Resolves an asyncio future (owned by the caller's loop) with an embedding."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[np.ndarray]) -> None:
+        self.loop, self.fut = loop, fut
+
+    def _set(self, item: RequestOutput | EmbeddingOutput | BaseException) -> None:
+        if self.fut.done():
+            return
+        if isinstance(item, BaseException):
+            self.fut.set_exception(item)
+        elif isinstance(item, EmbeddingOutput):
+            self.fut.set_result(item.embedding)
+        else:
+            self.fut.set_exception(EmbeddingAbortedError("the embedding request was aborted"))
+
+    def __call__(self, item: RequestOutput | EmbeddingOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            self.loop.call_soon_threadsafe(self._set, item)
+
+
 class Engine:
     def __init__(
         self,
@@ -117,6 +197,7 @@ class Engine:
         self.sampling = StepSampler(runner, Sampler())
         self._requests: dict[str, _ReqState] = {}  # step-thread only
         self._by_seq: dict[int, CompletionStream] = {}  # seq_id -> state, step-thread only
+        self._pools: dict[int, _Pool] = {}  # embedding seq_id -> its pooling, step-thread only
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._live_ids: set[str] = set()  # guarded by _inbox_lock; rejects duplicate ids
@@ -164,6 +245,11 @@ class Engine:
         compile (`constraint.GrammarError`) or a request that can never fit
         (`ContextLengthExceededError`).
         """
+        if not getattr(self.runner, "supports_generation", True):
+            raise GenerationNotSupportedError(
+                "this model was compiled for embeddings only (tallow compile --task embed): "
+                "it serves /v1/embeddings, not text generation"
+            )
         params.validate(self.runner.vocab_size)
         if any(not 0 <= int(t) < self.runner.vocab_size for t in prompt_token_ids):
             raise ValueError("prompt token id outside the vocabulary")
@@ -225,6 +311,96 @@ class Engine:
         with self._inbox_lock:
             self._inbox.append(("abort", request_id))
         self._wake()
+
+    # -- embeddings ----------------------------------------------------------------------------
+
+    @property
+    def supports_embeddings(self) -> bool:
+        return getattr(self.runner, "embedding_pooling", None) is not None
+
+    @property
+    def supports_generation(self) -> bool:
+        return bool(getattr(self.runner, "supports_generation", True))
+
+    @property
+    def embedding_dimensions(self) -> int:
+        """The width of an embedding (the model's hidden size)."""
+        return int(self.runner.hidden_size)
+
+    def check_embedding_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise what `submit_embedding` would for this prompt (nothing is queued)."""
+        if not self.supports_embeddings:
+            raise EmbeddingsNotSupportedError(
+                "this artifact has no hidden-state function (compiled before embeddings were "
+                "supported); recompile it with this tallow to serve embeddings"
+            )
+        if any(not 0 <= int(t) < self.runner.vocab_size for t in prompt_token_ids):
+            raise ValueError("prompt token id outside the vocabulary")
+        n, window = len(prompt_token_ids), self.scheduler.context_window
+        if n > window:
+            raise ContextLengthExceededError(
+                f"this model's context window is {window} tokens; the input has {n}"
+            )
+        self.scheduler.check_request(n, 0, 1)
+
+    def submit_embedding(
+        self, prompt_token_ids: list[int], sink: Sink, request_id: str | None = None
+    ) -> str:
+        """Validate and queue one embedding request; its `EmbeddingOutput` (or an error, or a
+        `RequestOutput` with finish_reason "abort") goes to `sink` from the step thread."""
+        self.check_embedding_prompt(prompt_token_ids)
+        rid = request_id or uuid.uuid4().hex
+        with self._inbox_lock:
+            if rid in self._live_ids:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._live_ids.add(rid)
+            prompt = [int(t) for t in prompt_token_ids]
+            self._inbox.append(("embed", (rid, prompt, sink)))
+        self._wake()
+        return rid
+
+    async def embed(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Pooled, L2-normalised float32 embeddings of `prompts` (call from a loop).
+
+        Every prompt is validated before any is queued, so a bad one raises with nothing
+        running; cancelling the call aborts what is still in flight.
+        """
+        for p in prompts:
+            self.check_embedding_prompt(p)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[np.ndarray]] = []
+        rids: list[str] = []
+        try:
+            for p in prompts:
+                fut: asyncio.Future[np.ndarray] = loop.create_future()
+                rids.append(self.submit_embedding(p, _FutureSink(loop, fut)))
+                futures.append(fut)
+            self.start()
+            return list(await asyncio.gather(*futures))
+        except BaseException:
+            for rid, fut in zip(rids, futures, strict=False):
+                if not fut.done():
+                    self.abort(rid)
+            raise
+
+    def embed_sync(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """`embed` without an event loop: runs steps until every prompt is embedded."""
+        for p in prompts:
+            self.check_embedding_prompt(p)
+        results: list[list[Any]] = [[] for _ in prompts]
+        for p, sink in zip(prompts, results, strict=True):
+            self.submit_embedding(p, sink.append)
+        while self._has_work():
+            self.run_step()
+        out = []
+        for items in results:
+            item = items[-1]
+            if isinstance(item, BaseException):
+                raise item
+            if not isinstance(item, EmbeddingOutput):
+                raise EmbeddingAbortedError("the embedding request was aborted")
+            out.append(item.embedding)
+        return out
 
     # -- background loop ---------------------------------------------------------------------
 
@@ -300,6 +476,14 @@ class Engine:
     def step(self) -> None:
         """The scheduler decides, the runner executes, the engine samples and streams."""
         out = self.scheduler.schedule()
+        embeds = [it for it in out.items if it.seq.request.embed]
+        if embeds:
+            # Embedding chunks run through the hidden-state function, the rest as usual.
+            hidden = self.runner.forward_hidden([(it.seq.seq_id, it.token_ids) for it in embeds])
+            self._pool(embeds, hidden)
+            out = dataclasses.replace(
+                out, items=[it for it in out.items if not it.seq.request.embed]
+            )
         constrained = [
             st
             for item in out.items
@@ -351,6 +535,8 @@ class Engine:
             elif kind == "fail":
                 for rid in list(self._requests):
                     self._fail_request(rid, payload, log_it=False)
+            elif kind == "embed":
+                self._add_embedding(*payload)
             else:
                 self._abort(payload)
 
@@ -369,6 +555,32 @@ class Engine:
         self._track(state, seq, matcher)
         self._prompt_tokens += len(prompt)
 
+    def _add_embedding(self, rid: str, prompt: list[int], sink: Sink) -> None:
+        params = SamplingParams(max_tokens=1)  # unused: an embedding samples nothing
+        req = Request(rid, prompt, params, self.scheduler.next_arrival_index(), embed=True)
+        seq = self.scheduler.add_request(req)
+        self._requests[rid] = _ReqState(request=req, sink=sink)
+        pooling = self.runner.embedding_pooling
+        assert pooling is not None
+        self._pools[seq.seq_id] = _Pool(pooling)
+        self._prompt_tokens += len(prompt)
+
+    def _pool(self, items: list[ScheduledItem], hidden: list[np.ndarray]) -> None:
+        """Pool each embedding chunk's rows; finish the requests whose prompt is done."""
+        for item, rows in zip(items, hidden, strict=True):
+            seq = item.seq
+            pool = self._pools[seq.seq_id]
+            pool.add(np.asarray(rows), restart=seq.num_computed_tokens == len(item.token_ids))
+            if not item.sample:
+                continue  # more of the prompt to come
+            self.scheduler.finish(seq, "stop")
+            del self._pools[seq.seq_id]
+            rid = seq.request.request_id
+            state = self._requests.pop(rid)
+            with self._inbox_lock:
+                self._live_ids.discard(rid)
+            state.sink(EmbeddingOutput(rid, pool.vector(), seq.prompt_len))
+
     def _track(
         self, state: _ReqState, seq: SequenceState, matcher: GrammarMatcher | None = None
     ) -> CompletionStream:
@@ -385,6 +597,7 @@ class Engine:
         for seq in self.scheduler.abort_request(rid):
             deltas.append(CompletionDelta(index=seq.index, finish_reason="abort"))
             self._by_seq.pop(seq.seq_id, None)
+            self._pools.pop(seq.seq_id, None)
         # Completions not forked yet (n > 1 aborted before its prefill ended) abort too.
         n = state.request.params.n
         deltas += [
@@ -590,6 +803,7 @@ class Engine:
             state.sink(error)
         self._requests.clear()
         self._by_seq.clear()
+        self._pools.clear()
 
     # -- sync convenience and stats ------------------------------------------------------------
 

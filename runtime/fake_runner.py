@@ -9,6 +9,10 @@ Two properties make it useful as a test oracle:
 * Logits depend on the token contents *stored in the sequence's pages* (not on a side list),
   hashed into a seed. If the engine forks from the wrong cached prefix, loses tokens when it
   preempts, or re-feeds a token twice, the KV contents differ and so do the outputs.
+
+Hidden states (`forward_hidden`, for embeddings) follow the same rule: a token's row is drawn
+from a hash of the sequence's stored tokens up to and including it, so `reference_hidden`
+predicts them and a chunked prefill yields the same rows as a whole one.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class FakeModelRunner:
         prefill_chunk_size: int = 2048,
         seed: int = 0,
         device_sampling: bool = True,
+        hidden_size: int = 16,
+        embedding_pooling: str | None = "mean",
+        generation: bool = True,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -62,6 +69,10 @@ class FakeModelRunner:
         self.supports_device_sampling = device_sampling
         self.device_sampled_rows = 0
         self._last_logits: np.ndarray | None = None
+        self.hidden_size = hidden_size
+        self.embedding_pooling = embedding_pooling  # None: no hidden states, as old artifacts
+        self.supports_generation = generation  # False: an embedding-only artifact
+        self.hidden_log: list[list[tuple[int, list[int]]]] = []  # forward_hidden's items
 
     # -- page pool ---------------------------------------------------------------------------
 
@@ -179,7 +190,43 @@ class FakeModelRunner:
         self.device_sampled_rows += len(controls.temperature)
         return sample_controls(self._last_logits, controls)
 
+    def _hidden_row(self, history: list[int]) -> np.ndarray:
+        data = np.asarray([self._seed, -1, *history], dtype=np.int64).tobytes()
+        digest = hashlib.blake2b(data, digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        return rng.standard_normal(self.hidden_size).astype(np.float32)
+
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
+        if not self.supports_generation:
+            raise RuntimeError("an embedding-only runner has no logits")
+        self._check_items(items)
+        self.forward_log.append([(sid, list(toks)) for sid, toks in items])
+        out = np.empty((len(items), self.vocab_size), dtype=np.float32)
+        for row, (sid, toks) in enumerate(items):
+            seq = self._seqs[sid]
+            self._append(seq, toks)
+            self.tokens_computed += len(toks)
+            out[row] = self._logits(self._history(seq))
+        self._last_logits = out
+        return out
+
+    def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        if self.embedding_pooling is None:
+            raise RuntimeError("this runner has no hidden-state function")
+        self._check_items(items)
+        self.hidden_log.append([(sid, list(toks)) for sid, toks in items])
+        out = []
+        for sid, toks in items:
+            seq = self._seqs[sid]
+            self._append(seq, toks)
+            self.tokens_computed += len(toks)
+            history = self._history(seq)
+            start = len(history) - len(toks)
+            rows = [self._hidden_row(history[: start + i + 1]) for i in range(len(toks))]
+            out.append(np.stack(rows))
+        return out
+
+    def _check_items(self, items: list[tuple[int, list[int]]]) -> None:
         if len(items) > self.max_batch_size:
             raise ValueError(f"batch of {len(items)} exceeds max_batch_size")
         if sum(len(toks) for _, toks in items) > self.prefill_chunk_size:
@@ -200,15 +247,6 @@ class FakeModelRunner:
         if need > len(self._free):
             # Checked up front so a failed step leaves the cache untouched.
             raise OutOfPagesError(f"forward needs {need} pages, {len(self._free)} free")
-        self.forward_log.append([(sid, list(toks)) for sid, toks in items])
-        out = np.empty((len(items), self.vocab_size), dtype=np.float32)
-        for row, (sid, toks) in enumerate(items):
-            seq = self._seqs[sid]
-            self._append(seq, toks)
-            self.tokens_computed += len(toks)
-            out[row] = self._logits(self._history(seq))
-        self._last_logits = out
-        return out
 
     # -- test helpers ------------------------------------------------------------------------
 
@@ -221,3 +259,7 @@ class FakeModelRunner:
     def reference_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits a sequence holding exactly `tokens` would produce (for oracles in tests)."""
         return self._logits(list(tokens))
+
+    def reference_hidden(self, tokens: list[int]) -> np.ndarray:
+        """Hidden states [len(tokens), hidden_size] a sequence holding `tokens` would yield."""
+        return np.stack([self._hidden_row(list(tokens[: i + 1])) for i in range(len(tokens))])

@@ -70,6 +70,26 @@ class TokenizerInfo:
     eos_token: str | None = None
 
 
+POOLINGS = ("mean", "last")
+
+
+@dataclass
+class EmbeddingInfo:
+    """How the artifact's hidden states become one embedding per input.
+
+    `function` returns the final hidden states of a prefill; the runtime pools them (`mean`
+    over the input's tokens, or the `last` token's), then L2-normalises when `normalize`.
+    `pooling_source` says where the pooling came from (`1_Pooling/config.json`, the model's
+    name, `--pooling`, or `default`).
+    """
+
+    function: str
+    pooling: str  # one of POOLINGS
+    dimensions: int  # the full embedding width (the hidden size)
+    normalize: bool = True
+    pooling_source: str = "default"
+
+
 @dataclass
 class Manifest:
     format_version: int
@@ -84,6 +104,10 @@ class Manifest:
     functions: list[str]
     params: list[ParamInfo]
     tokenizer: TokenizerInfo
+    # "generate" (logits, decode, sampler, and the hidden-state function) or "embed" (the
+    # hidden-state function only). Artifacts from before embeddings have neither field.
+    task: str = "generate"
+    embedding: EmbeddingInfo | None = None
     # file name -> {size, sha256[, sample_sha256]} (see `integrity`); None: an artifact from
     # before checksums were recorded
     checksums: dict[str, dict[str, Any]] | None = None
@@ -127,6 +151,8 @@ class Manifest:
                 functions=list(raw["functions"]),
                 params=[ParamInfo(**p) for p in raw["params"]],
                 tokenizer=TokenizerInfo(**raw["tokenizer"]),
+                task=raw.get("task", "generate"),
+                embedding=EmbeddingInfo(**raw["embedding"]) if raw.get("embedding") else None,
                 checksums=_checksums(path, raw.get("checksums")),
             )
         except (KeyError, TypeError) as e:

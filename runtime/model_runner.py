@@ -27,6 +27,10 @@ from .errors import ArtifactError
 from .manifest import Manifest
 from .model_runner_protocol import SAMPLER_FUNCTION, SamplingControls
 
+# The hidden-state function (compiler/model_defs/decoder.py), and what generation needs.
+HIDDEN_FUNCTION = "batch_prefill_hidden"
+_GENERATION_FUNCTIONS = ("decode", "batch_prefill", "batch_decode")
+
 log = logging.getLogger(__name__)
 
 
@@ -164,11 +168,23 @@ class TVMModelRunner:
         self.prefill_chunk_size = kv.prefill_chunk_size
         total = kv.max_total_tokens or self.context_window * max(1, kv.max_batch_size // 4)
         total = max(total, self.page_size)
-        names = ["embed", "decode", "batch_prefill", "batch_decode", "create_paged_kv_cache"]
+        functions = set(self.manifest.functions)
+        names = ["embed", "create_paged_kv_cache"]
+        # `tallow compile --task embed` artifacts carry the embedding path only.
+        self.supports_generation = all(f in functions for f in _GENERATION_FUNCTIONS)
+        if self.supports_generation:
+            names += _GENERATION_FUNCTIONS
         # Artifacts from before the compiled sampler sample on the host.
-        self.supports_device_sampling = SAMPLER_FUNCTION in self.manifest.functions
+        self.supports_device_sampling = SAMPLER_FUNCTION in functions
         if self.supports_device_sampling:
             names.append(SAMPLER_FUNCTION)
+        # Artifacts from before embeddings have no hidden-state function.
+        embedding = self.manifest.embedding
+        self.embedding_pooling = None
+        if embedding is not None and embedding.function in functions:
+            self.embedding_pooling = embedding.pooling
+            names.append(embedding.function)
+        self._hidden_function = embedding.function if embedding is not None else HIDDEN_FUNCTION
         self._funcs = {name: self.vm[name] for name in names}
         self._last_logits = None  # (tensor, rows) of the last forward, for `sample`
         self._controls = None  # device buffer for `sample`'s per-row controls
@@ -218,6 +234,8 @@ class TVMModelRunner:
         last token: a host array on the CPU, a `DeviceLogits` (copied when read) elsewhere."""
         if not items:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
+        if not self.supports_generation:
+            raise RuntimeError(f"{self.folder} is an embedding-only artifact: no logits")
         lengths = [len(toks) for _, toks in items]
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
@@ -228,6 +246,29 @@ class TVMModelRunner:
             # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
             return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
         return DeviceLogits(logits, len(items), self.vocab_size)
+
+    def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Append each item's tokens to its sequence; float32 final hidden states per item
+        ([len(tokens), hidden] each), through the same paged KV cache as a prefill."""
+        if not items:
+            return []
+        if self.embedding_pooling is None:
+            raise RuntimeError(f"{self.folder} has no hidden-state function ({HIDDEN_FUNCTION})")
+        tvm = self._tvm
+        lengths = [len(toks) for _, toks in items]
+        if min(lengths) < 1:
+            raise ValueError("every forward item needs at least one token")
+        ids = np.fromiter((t for _, toks in items for t in toks), dtype=np.int32)
+        embeds = self._funcs["embed"](tvm.runtime.tensor(ids, self.device), self.params)
+        embeds = embeds._create_view((1, int(ids.size), self.hidden_size))
+        seq_ids = tvm.runtime.ShapeTuple([s for s, _ in items])
+        self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
+        try:
+            hidden, _ = self._funcs[self._hidden_function](embeds, self.kv_cache, self.params)
+        finally:
+            self._end(self.kv_cache)
+        rows = hidden.numpy().reshape(int(ids.size), self.hidden_size)
+        return np.split(rows, np.cumsum(lengths)[:-1])
 
     def sample(self, controls: SamplingControls) -> np.ndarray:
         """Token ids drawn by the artifact's `sample_tokens` from the last forward's logits."""

@@ -96,6 +96,20 @@ class ModelExecutor(Protocol):
     prefill_chunk_size: int
     # True when `sample` works: the artifact has the compiled sampler (older ones do not).
     supports_device_sampling: bool
+    # False for an embedding-only artifact (`tallow compile --task embed`): no `forward`.
+    supports_generation: bool
+    # How `forward_hidden`'s rows become one embedding ("mean" or "last", then L2-normalised);
+    # None when the runner has no hidden-state function (artifacts from before embeddings).
+    embedding_pooling: str | None
+    hidden_size: int  # the width of `forward_hidden`'s rows
+
+    def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Like `forward` (append each item's tokens to its sequence's KV, run once), but
+        return every fed token's final hidden state (after the last norm): one float32
+        array [len(tokens), hidden_size] per item, in item order. Never mixed with `forward`
+        items in one call; `sample` does not apply to it.
+        """
+        ...
 
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
         """Append each item's tokens to its sequence's KV and run the model once.

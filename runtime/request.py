@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from tallow.runtime.sampling_params import SamplingParams
 
 # "grammar_error": a constrained sequence's grammar could not be continued (see constraint.py).
@@ -41,6 +43,10 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_index: int  # FCFS order; also decides who is "newest" when preempting
+    # An embedding request: its prompt prefills (its hidden states pooled by the engine),
+    # then it finishes at once, generating nothing. It neither matches nor feeds the prefix
+    # cache: pooling needs every prompt token's hidden state.
+    embed: bool = False
 
 
 @dataclass
@@ -149,6 +155,15 @@ class RequestOutput:
     outputs: list[CompletionDelta]  # only the completions that changed this step
     finished: bool  # every completion has a finish_reason
     usage: Usage
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's one output: its pooled, L2-normalised hidden state."""
+
+    request_id: str
+    embedding: np.ndarray  # float32 [hidden_size]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)

@@ -118,14 +118,15 @@ class Scheduler:
     def add_request(self, request: Request) -> SequenceState:
         """Queue a request's first sequence; its n-1 siblings fork off after the prefill."""
         p = request.params
-        self.check_request(len(request.prompt_token_ids), p.max_tokens, p.n)
+        max_tokens, n = (0, 1) if request.embed else (p.max_tokens, p.n)
+        self.check_request(len(request.prompt_token_ids), max_tokens, n)
         seq = SequenceState(
             seq_id=next(self._seq_ids),
             request=request,
             index=0,
             token_ids=list(request.prompt_token_ids),
             prompt_len=len(request.prompt_token_ids),
-            pending_forks=p.n - 1,
+            pending_forks=n - 1,
         )
         self.waiting.append(seq)
         return seq
@@ -237,7 +238,9 @@ class Scheduler:
         extra = self._outstanding_prefill_pages() + self.config.reserve_pages
         # With nothing running, only a matched entry's own pages can be in the way (it may
         # hold far more than the shared prefix): then drop the match, not the request.
-        if not self.kv.admit(s, extra, retry_without_match=not self.running):
+        if not self.kv.admit(
+            s, extra, retry_without_match=not self.running, use_prefix_cache=not s.request.embed
+        ):
             return False
         s.status = SequenceStatus.RUNNING
         bisect.insort(self.running, s, key=lambda q: q.order)
@@ -267,10 +270,12 @@ class Scheduler:
         return children
 
     def finish(self, seq: SequenceState, reason: FinishReason) -> None:
-        """Retire a sequence; its KV becomes a prefix-cache entry unless it was aborted."""
+        """Retire a sequence; its KV becomes a prefix-cache entry unless it was aborted or
+        embedded."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.kv.free(seq, keep_as_prefix=reason != "abort")
+            keep = reason != "abort" and not seq.request.embed
+            self.kv.free(seq, keep_as_prefix=keep)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

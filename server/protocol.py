@@ -394,3 +394,40 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "unavailable"]
+
+
+# -- embeddings --------------------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    # A string, a batch of strings, one token-id input, or a batch of token-id inputs.
+    input: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32, as OpenAI's
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -62,9 +62,18 @@ def test_artifact_layout(tiny_artifact):
         "decode",
         "batch_prefill",
         "batch_decode",
+        "batch_prefill_hidden",
         "create_paged_kv_cache",
         "sample_tokens",
     ]
+    assert manifest["task"] == "generate"
+    assert manifest["embedding"] == {
+        "function": "batch_prefill_hidden",
+        "pooling": "mean",
+        "dimensions": 64,
+        "normalize": True,
+        "pooling_source": "default",
+    }
     assert manifest["tvm_version"] == "0.27.0.post1"
     assert manifest["params"][0]["name"] == "model.embed_tokens.weight"
 

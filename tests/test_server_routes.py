@@ -39,6 +39,7 @@ ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -136,6 +137,7 @@ def test_every_route_is_reachable(server):
         "/v1/chat/completions": {**greedy(), "messages": CHAT},
         "/v1/completions": {**greedy(), "prompt": "The"},
         "/v1/responses": {"model": MODEL, "input": "The", "max_output_tokens": 4},
+        "/v1/embeddings": {"model": MODEL, "input": "The"},
         "/tokenize": {"prompt": "hello"},
         "/detokenize": {"tokens": [5, 6]},
     }

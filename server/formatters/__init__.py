@@ -7,6 +7,13 @@ streaming machinery and the other shapes stay as they are.
 from .base import ResponseFormatter
 from .chat import ChatFormatter
 from .completions import CompletionFormatter
+from .embeddings import EmbeddingFormatter
 from .responses import ResponsesFormatter
 
-__all__ = ["ChatFormatter", "CompletionFormatter", "ResponseFormatter", "ResponsesFormatter"]
+__all__ = [
+    "ChatFormatter",
+    "CompletionFormatter",
+    "EmbeddingFormatter",
+    "ResponseFormatter",
+    "ResponsesFormatter",
+]

@@ -6,12 +6,13 @@ Each path has exactly one home here (tests/test_server_routes.py checks the tabl
 
 from fastapi import APIRouter
 
-from . import chat, completions, health, models, responses, tokenize
+from . import chat, completions, embeddings, health, models, responses, tokenize
 
 ROUTERS: tuple[APIRouter, ...] = (
     chat.router,
     completions.router,
     responses.router,
+    embeddings.router,
     models.router,
     tokenize.router,
     health.router,
