@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .reasoning import ReasoningStream
 from .tool_calls import StreamDelta, ToolCall, ToolCallParser
-from .tool_calls.base import collect
+from .tool_calls.deltas import collect
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from tallow.runtime.served_model import (
 
 from .chat_output import ChatOutputOptions
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
+from .protocol import ChatMessage, CompletionRequest, _SamplingRequest
+from .protocol_chat import ChatCompletionRequest
 from .reasoning import prompt_opens_reasoning, template_has_reasoning
 from .tool_calls import JsonListParser, ToolCallParser, parser_for_template
 from .tool_calls.forcing import forced_tool_grammar

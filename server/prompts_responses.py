@@ -28,12 +28,10 @@ from tallow.runtime.served_model import ServedModel
 from .chat_output import ChatOutputOptions
 from .errors import APIError, bad_request, from_validation_error
 from .prompts import chat_inputs
-from .protocol import (
+from .protocol import ChatMessage, FunctionCall, MessageToolCall
+from .protocol_chat import (
     ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
     FunctionDefinition,
-    MessageToolCall,
     NamedFunction,
     NamedToolChoice,
     ToolDefinition,

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models written once per session, and their compiled artifacts."""
+"""Shared fixtures: tiny models written once per session, their compiled artifacts, and the
+live servers several server test modules ask for (`scripted_server.py`, `hygiene_server.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Live servers shared by several test modules (module-scoped: one per module that asks).
+from hygiene_server import hygiene_bundle, hygiene_client, hygiene_server  # noqa: E402, F401
+from scripted_server import qwen, qwen_client  # noqa: E402, F401
 
 from tiny_models import make_model  # noqa: E402
 

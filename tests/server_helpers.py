@@ -3,6 +3,7 @@ subprocess (for signals)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -15,11 +16,33 @@ from pathlib import Path
 
 import httpx
 
+from tallow.runtime.artifact import TokenizerBundle
 from tallow.runtime.engine_factory import EngineOptions, build_engine
 from tallow.server.app import ServerOptions, create_app
 from tallow.server.launch import make_server
 
 MODEL = "tiny"
+
+
+def tiny_tokenizer_bundle(folder: Path, vocab: int) -> TokenizerBundle:
+    """The tiny models' byte-level BPE tokenizer and chat template, as an artifact ships them
+    (written to `folder`; `vocab` is the logits width, at least the tokenizer's 312)."""
+    from tokenizers import Tokenizer
+
+    from tiny_models import make_tokenizer
+
+    make_tokenizer(folder, vocab)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return TokenizerBundle(
+        tokenizer=tok,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_ids=[tok.token_to_id("</s>")],
+        add_bos_token=False,
+        chat_template=config["chat_template"],
+        bos_token="<s>",
+        eos_token="</s>",
+    )
 
 
 def free_port() -> int:

@@ -19,17 +19,20 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import MODEL, metric, serve_engine  # noqa: I001
-from test_tool_calling import QWEN_TOOL_TEMPLATE, ScriptedRunner, make_bundle
+from scripted_server import (
+    CONTEXT_WINDOW,
+    QWEN_TOOL_TEMPLATE,
+    ScriptedRunner,
+    make_bundle,
+    start_scripted,
+)
+from server_helpers import MODEL, metric  # noqa: I001
 
 from tallow.cli.main import build_parser
-from tallow.runtime.engine import Engine
-from tallow.runtime.scheduler import SchedulerConfig
 from tallow.server.app import ServerOptions, create_app
 from tallow.server.routes.ui import UI_FILES
 
 UI_DIR = Path(__file__).parent.parent / "server" / "ui"
-CONTEXT_WINDOW = 1024
 KEY = "sekrit-key"
 
 
@@ -44,24 +47,6 @@ class SlowRunner(ScriptedRunner):
         return super().forward(items)
 
 
-def start(bundle, options: ServerOptions):
-    tok = bundle.tokenizer
-    runner = SlowRunner(
-        eos=bundle.eos_token_ids[0],
-        vocab_size=tok.get_vocab_size(with_added_tokens=True),
-        context_window=CONTEXT_WINDOW,
-        num_pages=256,
-    )
-    runner.tokenizer = bundle
-    engine = Engine(
-        runner,
-        tokenizer=tok,
-        eos_token_ids=bundle.eos_token_ids,
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048),
-    )
-    return serve_engine(engine, options), runner
-
-
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     return make_bundle(tmp_path_factory.mktemp("ui"), QWEN_TOOL_TEMPLATE)
@@ -69,7 +54,7 @@ def bundle(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(bundle):
-    server, runner = start(bundle, ServerOptions())
+    server, runner = start_scripted(bundle, ServerOptions(), SlowRunner)
     yield server, runner
     server.stop()
 
@@ -360,7 +345,7 @@ def test_reasoning_folded_and_tool_calls_shown(browser, live, bundle):
 
 
 def test_api_key_asked_once_and_kept_for_the_tab(browser, bundle):
-    server, runner = start(bundle, ServerOptions(api_key=KEY))
+    server, runner = start_scripted(bundle, ServerOptions(api_key=KEY), SlowRunner)
     try:
         say(runner, bundle, "Authorised.")
         browser.get(server.base_url + "/")

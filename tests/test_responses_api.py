@@ -1,5 +1,5 @@
 """`POST /v1/responses` with the official `openai` client, over the scripted runner double of
-tests/test_tool_calling.py (a Qwen-style tool template with a think block; no compile).
+`scripted_server.py` (a Qwen-style tool template with a think block; no compile).
 
 `openai.types.responses` is the oracle for every body and stream event; transformers'
 `apply_chat_template` is the oracle for the prompts the input items render to.
@@ -12,143 +12,28 @@ import json
 import httpx
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import BaseModel, TypeAdapter
+from responses_helpers import (
+    QUESTION,
+    RESP_TOOLS,
+    flatten,
+    greedy,
+    hf_tokenizer,
+    no_ids,
+    parse_response,
+    post,
+    reassemble,
+    streamed_and_not,
+)
+from scripted_server import CALL, TOOLS, say
 from server_helpers import MODEL  # noqa: I001
-from test_tool_calling import CALL, QWEN_TOOL_TEMPLATE, TOOLS, make_bundle, start
-
-from tallow.server import protocol_responses
-
-# The chat tools, in the Responses API's flat shape.
-RESP_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
-QUESTION = "What is the weather in Paris?"
-EVENTS = TypeAdapter(ResponseStreamEvent)
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    bundle = make_bundle(tmp_path_factory.mktemp("qwen"), QWEN_TOOL_TEMPLATE)
-    server, runner = start(bundle)
-    yield server, runner, bundle
-    server.stop()
-
-
-@pytest.fixture
-def client(qwen):
-    server, _, _ = qwen
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
-def say(qwen, text: str) -> None:
-    _, runner, bundle = qwen
-    runner.script = bundle.tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def greedy(**kw):
-    return {"model": MODEL, "temperature": 0.0, "max_output_tokens": 200, **kw}
-
-
-def hf_tokenizer(bundle):
-    transformers = pytest.importorskip("transformers")
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bundle.tokenizer, chat_template=QWEN_TOOL_TEMPLATE, eos_token="<|im_end|>"
-    )
-
-
-def post(server, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=30)
-
-
-def known_keys(model: BaseModel, body: dict) -> None:
-    """Every key of `body` is a field of the SDK type it parsed as (one level down too)."""
-    fields = {f.alias or name for name, f in type(model).model_fields.items()}
-    assert set(body) <= fields, (type(model).__name__, set(body) - fields)
-    for key, value in body.items():
-        sub = getattr(model, key, None)
-        if isinstance(value, dict) and isinstance(sub, BaseModel):
-            known_keys(sub, value)
-        if isinstance(value, list) and isinstance(sub, list):
-            for v, s in zip(value, sub, strict=True):
-                if isinstance(v, dict) and isinstance(s, BaseModel):
-                    known_keys(s, v)
-
-
-def parse_response(body: dict) -> Response:
-    r = Response.model_validate(body)
-    known_keys(r, body)
-    protocol_responses.ResponseObject.model_validate(body)
-    return r
-
-
-def sse_events(response: httpx.Response) -> list[dict]:
-    """The stream's events; each `event:` line names its data's type."""
-    assert response.headers["content-type"].startswith("text/event-stream")
-    events = []
-    for block in response.text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: ")
-        body = json.loads(data.removeprefix("data: "))
-        assert body["type"] == name.removeprefix("event: ")
-        events.append(body)
-    return events
-
-
-def check_events(events: list[dict]) -> None:
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
-    for body in events:
-        known_keys(EVENTS.validate_python(body), body)
-
-
-def no_ids(body: dict) -> dict:
-    """A response without what differs between two runs: ids and clocks."""
-    body = json.loads(json.dumps(body))
-    for key in ("id", "created_at", "completed_at"):
-        body.pop(key, None)
-    for item in body["output"]:
-        item.pop("id")
-        item.pop("call_id", None)
-    return body
-
-
-def streamed_and_not(qwen, body: dict) -> tuple[dict, list[dict]]:
-    server, _, _ = qwen
-    full = post(server, body)
-    assert full.status_code == 200, full.text
-    events = sse_events(post(server, {**body, "stream": True}))
-    check_events(events)
-    return full.json(), events
-
-
-def reassemble(events: list[dict]) -> dict:
-    """The output items rebuilt from the deltas alone."""
-    items: dict[int, dict] = {}
-    for e in events:
-        if e["type"] == "response.output_item.added":
-            items[e["output_index"]] = {"type": e["item"]["type"], "text": ""}
-        elif e["type"].endswith(".delta"):  # output text, reasoning text, call arguments
-            items[e["output_index"]]["text"] += e["delta"]
-    return items
-
-
-def flatten(output: list[dict]) -> dict:
-    out = {}
-    for i, item in enumerate(output):
-        if item["type"] == "function_call":
-            text = item["arguments"]
-        else:
-            text = "".join(p["text"] for p in item["content"])
-        out[i] = {"type": item["type"], "text": text}
-    return out
-
 
 # -- text --------------------------------------------------------------------------------------
 
 
-def test_text_in_text_out(qwen, client):
+def test_text_in_text_out(qwen, qwen_client):
     server, runner, bundle = qwen
     say(qwen, "Hello there.")
-    r = client.responses.create(input="Hi!", **greedy())
+    r = qwen_client.responses.create(input="Hi!", **greedy())
     assert r.output_text == "Hello there." and r.status == "completed"
     assert r.id.startswith("resp_") and r.object == "response"
     (msg,) = r.output
@@ -164,10 +49,10 @@ def test_text_in_text_out(qwen, client):
     assert body["incomplete_details"] is None and body["error"] is None
 
 
-def test_instructions_and_items_render_as_chat_messages(qwen, client):
+def test_instructions_and_items_render_as_chat_messages(qwen, qwen_client):
     server, runner, bundle = qwen
     say(qwen, "Fine.")
-    client.responses.create(instructions="Be brief.", input="Hi!", **greedy())
+    qwen_client.responses.create(instructions="Be brief.", input="Hi!", **greedy())
     by_responses = runner.last_prompt
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": chat}).json()["tokens"]
@@ -182,20 +67,20 @@ def test_instructions_and_items_render_as_chat_messages(qwen, client):
         {"role": "user", "content": "Hi!"},
     ]
     items[0]["content"].append({"type": "input_text", "text": "brief."})
-    client.responses.create(input=items, **greedy())
+    qwen_client.responses.create(input=items, **greedy())
     assert runner.last_prompt == tokens
     # The chat route renders that conversation alike.
-    client.chat.completions.create(messages=chat, model=MODEL, max_tokens=5)
+    qwen_client.chat.completions.create(messages=chat, model=MODEL, max_tokens=5)
     assert runner.last_prompt == tokens
 
 
 # -- tool calls --------------------------------------------------------------------------------
 
 
-def test_function_call_round_trip(qwen, client):
+def test_function_call_round_trip(qwen, qwen_client):
     _, runner, bundle = qwen
     say(qwen, "Let me check.\n" + CALL)
-    r = client.responses.create(input=QUESTION, tools=RESP_TOOLS, **greedy())
+    r = qwen_client.responses.create(input=QUESTION, tools=RESP_TOOLS, **greedy())
     assert [i.type for i in r.output] == ["message", "function_call"]
     assert r.output_text == "Let me check."
     call = r.output[1]
@@ -210,7 +95,7 @@ def test_function_call_round_trip(qwen, client):
         *[i.model_dump(exclude_none=True) for i in r.output],
         result,
     ]
-    r2 = client.responses.create(input=history, tools=RESP_TOOLS, **greedy())
+    r2 = qwen_client.responses.create(input=history, tools=RESP_TOOLS, **greedy())
     assert r2.output_text == "It is 18 degrees in Paris." and len(r2.output) == 1
     chat = [
         {"role": "user", "content": QUESTION},
@@ -234,9 +119,9 @@ def test_function_call_round_trip(qwen, client):
     assert runner.last_prompt == bundle.tokenizer.encode(expected, add_special_tokens=False).ids
     # Calls alone (no text) join one assistant turn; parallel_tool_calls=false keeps one.
     say(qwen, CALL + "\n" + CALL.replace("Paris", "Oslo"))
-    r = client.responses.create(input=QUESTION, tools=RESP_TOOLS, **greedy())
+    r = qwen_client.responses.create(input=QUESTION, tools=RESP_TOOLS, **greedy())
     assert [i.type for i in r.output] == ["function_call", "function_call"] and not r.output_text
-    one = client.responses.create(
+    one = qwen_client.responses.create(
         input=QUESTION, tools=RESP_TOOLS, parallel_tool_calls=False, **greedy()
     )
     assert [i.type for i in one.output] == ["function_call"] and one.parallel_tool_calls is False
@@ -264,9 +149,9 @@ def test_forced_tool_choice_puts_a_grammar_on_the_params(qwen, monkeypatch):
 # -- reasoning ---------------------------------------------------------------------------------
 
 
-def test_reasoning_item(qwen, client):
+def test_reasoning_item(qwen, qwen_client):
     say(qwen, "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny.")
-    r = client.responses.create(input=QUESTION, reasoning={"effort": "low"}, **greedy())
+    r = qwen_client.responses.create(input=QUESTION, reasoning={"effort": "low"}, **greedy())
     assert [i.type for i in r.output] == ["reasoning", "message"]
     thought = r.output[0]
     assert thought.id.startswith("rs_") and thought.summary == []
@@ -373,15 +258,15 @@ def test_items_keep_the_order_written_however_the_text_is_split():
     assert results[0][2]["content"][0]["text"].strip() == "One moment."
 
 
-def test_sdk_streams(qwen, client):
+def test_sdk_streams(qwen, qwen_client):
     say(qwen, "<think>\nHm.\n</think>\n\nIt is sunny.")
-    plain = client.responses.create(input=QUESTION, **greedy())
-    events = list(client.responses.create(input=QUESTION, stream=True, **greedy()))
+    plain = qwen_client.responses.create(input=QUESTION, **greedy())
+    events = list(qwen_client.responses.create(input=QUESTION, stream=True, **greedy()))
     assert events[-1].type == "response.completed"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
         "It is sunny."
     )
-    with client.responses.stream(input=QUESTION, **greedy()) as stream:
+    with qwen_client.responses.stream(input=QUESTION, **greedy()) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
     assert "response.reasoning_text.delta" in kinds and final.output_text == plain.output_text
@@ -394,9 +279,9 @@ def test_sdk_streams(qwen, client):
 # -- max_output_tokens -------------------------------------------------------------------------
 
 
-def test_max_output_tokens_makes_it_incomplete(qwen, client):
+def test_max_output_tokens_makes_it_incomplete(qwen, qwen_client):
     say(qwen, "This answer is much longer than three tokens.")
-    r = client.responses.create(input=QUESTION, **greedy(max_output_tokens=3))
+    r = qwen_client.responses.create(input=QUESTION, **greedy(max_output_tokens=3))
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
     assert r.output_text and "This answer".startswith(r.output_text)
@@ -405,7 +290,7 @@ def test_max_output_tokens_makes_it_incomplete(qwen, client):
     assert no_ids(events[-1]["response"]) == no_ids(full)
     # Cut while thinking: the reasoning item only.
     say(qwen, "<think>\nA long thought about the weather.\n</think>\n\nSunny.")
-    r = client.responses.create(input=QUESTION, **greedy(max_output_tokens=4))
+    r = qwen_client.responses.create(input=QUESTION, **greedy(max_output_tokens=4))
     assert [i.type for i in r.output] == ["reasoning"] and r.status == "incomplete"
 
 
@@ -440,20 +325,20 @@ def test_text_format_attaches_a_json_grammar(qwen, monkeypatch):
     assert seen[0].schema_ == SCHEMA and seen[0].strict is True
 
 
-def test_json_schema_is_enforced(qwen, client):
+def test_json_schema_is_enforced(qwen, qwen_client):
     say(qwen, '{"city": "Paris"}')
-    r = client.responses.create(input=QUESTION, text={"format": JSON_SCHEMA}, **greedy())
+    r = qwen_client.responses.create(input=QUESTION, text={"format": JSON_SCHEMA}, **greedy())
     assert json.loads(r.output_text) == {"city": "Paris"}
     bad = {**JSON_SCHEMA, "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(input=QUESTION, text={"format": bad}, **greedy())
+        qwen_client.responses.create(input=QUESTION, text={"format": bad}, **greedy())
     assert e.value.body["param"] == "text"
 
 
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def test_bad_requests_are_400s(qwen, client):
+def test_bad_requests_are_400s(qwen, qwen_client):
     server, _, _ = qwen
     image = {"type": "input_image", "image_url": "https://example.com/a.png"}
     cases = [
@@ -479,9 +364,9 @@ def test_bad_requests_are_400s(qwen, client):
         assert err["type"] == "invalid_request_error" and err["param"] == param, (extra, err)
         assert err["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(input=QUESTION, previous_response_id="resp_1", **greedy())
+        qwen_client.responses.create(input=QUESTION, previous_response_id="resp_1", **greedy())
     assert "stores no responses" in e.value.message
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(input=QUESTION, **greedy(model="other"))
+        qwen_client.responses.create(input=QUESTION, **greedy(model="other"))
     say(qwen, "Still here.")
-    assert client.responses.create(input=QUESTION, **greedy()).output_text == "Still here."
+    assert qwen_client.responses.create(input=QUESTION, **greedy()).output_text == "Still here."

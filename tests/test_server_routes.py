@@ -17,17 +17,15 @@ import openai.types
 import openai.types.chat
 import pytest
 from fastapi.routing import APIRoute
-from server_helpers import MODEL, serve_engine  # noqa: I001
+from server_helpers import MODEL, serve_engine, tiny_tokenizer_bundle  # noqa: I001
 
 from tallow.cli.main import main
 from tallow.runtime.artifact import TokenizerBundle
 from tallow.runtime.engine import Engine
 from tallow.runtime.fake_runner import FakeModelRunner
 from tallow.runtime.scheduler import SchedulerConfig
-from tallow.server import protocol
+from tallow.server import protocol, protocol_chat
 from tallow.server.app import ServerOptions, create_app
-
-from tiny_models import make_tokenizer
 
 VOCAB = 320  # the tiny tokenizer's vocabulary fits below it
 JSON_TYPE = {"Content-Type": "application/json"}  # raw bodies must say they are JSON
@@ -56,21 +54,7 @@ ROUTES = [
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> TokenizerBundle:
     """The tiny models' byte-level BPE tokenizer and chat template, as an artifact ships them."""
-    from tokenizers import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    make_tokenizer(folder, VOCAB)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return TokenizerBundle(
-        tokenizer=tok,
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_ids=[tok.token_to_id("</s>")],
-        add_bos_token=False,
-        chat_template=config["chat_template"],
-        bos_token="<s>",
-        eos_token="</s>",
-    )
+    return tiny_tokenizer_bundle(tmp_path_factory.mktemp("tokenizer"), VOCAB)
 
 
 def fake_runner(bundle: TokenizerBundle) -> FakeModelRunner:
@@ -175,14 +159,14 @@ def test_chat_bodies_match_protocol_and_openai_types(server):
     r = httpx.post(url, json={**body, "logprobs": True, "top_logprobs": 2}, timeout=30)
     assert r.status_code == 200, r.text
     full = r.json()
-    matches(protocol.ChatCompletionResponse, full)
+    matches(protocol_chat.ChatCompletionResponse, full)
     sdk = openai.types.chat.ChatCompletion.model_validate(full)
     assert len(sdk.choices) == 2 and len(sdk.choices[0].logprobs.content) == 6
     assert sdk.choices[0].logprobs.content[0].top_logprobs[0].bytes
     options = {"stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
     chunks = sse_payloads(httpx.post(url, json={**body, **options}, timeout=30))
     for chunk in chunks:
-        matches(protocol.ChatCompletionChunk, chunk)
+        matches(protocol_chat.ChatCompletionChunk, chunk)
         openai.types.chat.ChatCompletionChunk.model_validate(chunk)
     role = {"role": "assistant", "content": ""}
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [role, role]  # one per choice

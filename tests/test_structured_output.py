@@ -16,7 +16,8 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL, serve_engine  # noqa: I001
+from server_helpers import MODEL, serve_engine, tiny_tokenizer_bundle  # noqa: I001
+from structured_output_schemas import SCHEMAS
 
 from tallow.runtime.artifact import TokenizerBundle
 from tallow.runtime.engine import Engine
@@ -24,203 +25,14 @@ from tallow.runtime.fake_runner import FakeModelRunner
 from tallow.runtime.scheduler import SchedulerConfig
 from tallow.server.app import ServerOptions
 
-from tiny_models import make_tokenizer
-
 VOCAB = 320
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 TIMEOUT = 60  # seconds per request: a hang fails the test instead of blocking it
 
-SHORT = {"type": "string", "maxLength": 6}
-SCHEMAS: dict[str, dict] = {
-    "flat": {
-        "type": "object",
-        "properties": {"name": SHORT, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "person": {
-                "type": "object",
-                "properties": {
-                    "name": SHORT,
-                    "address": {
-                        "type": "object",
-                        "properties": {
-                            "city": SHORT,
-                            "zip": {"type": "string", "pattern": r"^\d{5}$"},
-                        },
-                        "required": ["city", "zip"],
-                        "additionalProperties": False,
-                    },
-                },
-                "required": ["name", "address"],
-                "additionalProperties": False,
-            }
-        },
-        "required": ["person"],
-        "additionalProperties": False,
-    },
-    "array_bounds": {
-        "type": "array",
-        "items": {"type": "integer", "minimum": 0, "maximum": 99},
-        "minItems": 2,
-        "maxItems": 4,
-    },
-    "enum": {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]}},
-        "required": ["color"],
-        "additionalProperties": False,
-    },
-    "any_of": {
-        "type": "object",
-        "properties": {"id": {"anyOf": [{"type": "integer"}, SHORT]}},
-        "required": ["id"],
-        "additionalProperties": False,
-    },
-    "const": {
-        "type": "object",
-        "properties": {"version": {"const": 2}, "kind": {"const": "tallow"}},
-        "required": ["version", "kind"],
-        "additionalProperties": False,
-    },
-    "pattern": {"type": "string", "pattern": r"^[A-Z]{3}-\d{2}$"},
-    "length": {"type": "string", "minLength": 3, "maxLength": 5},
-    "date": {
-        "type": "object",
-        "properties": {"born": {"type": "string", "format": "date"}},
-        "required": ["born"],
-        "additionalProperties": False,
-    },
-    "int_bounds": {
-        "type": "object",
-        "properties": {
-            "small": {"type": "integer", "minimum": -5, "maximum": 5},
-            "big": {"type": "integer", "minimum": 1000},
-        },
-        "required": ["small", "big"],
-        "additionalProperties": False,
-    },
-    "number_bounds": {
-        "type": "object",
-        "properties": {
-            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
-            "temp": {"type": "number", "exclusiveMinimum": -10, "exclusiveMaximum": 40},
-        },
-        "required": ["ratio", "temp"],
-        "additionalProperties": False,
-    },
-    "optional": {
-        "type": "object",
-        "properties": {"a": {"type": "boolean"}, "b": {"type": "integer"}, "c": SHORT},
-        "required": ["a"],
-        "additionalProperties": False,
-    },
-    "nullable": {
-        "type": "object",
-        "properties": {"note": {"type": ["string", "null"], "maxLength": 4}},
-        "required": ["note"],
-        "additionalProperties": False,
-    },
-    "array_of_objects": {
-        "type": "array",
-        "items": {
-            "type": "object",
-            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-            "required": ["x", "y"],
-            "additionalProperties": False,
-        },
-        "minItems": 1,
-        "maxItems": 3,
-    },
-    "matrix": {
-        "type": "array",
-        "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
-        "minItems": 2,
-        "maxItems": 2,
-    },
-    "mixed_enum": {"enum": [1, "one", None, True, 2.5]},
-    "extra_props_typed": {
-        "type": "object",
-        "properties": {"id": {"type": "integer"}},
-        "required": ["id"],
-        "additionalProperties": {"type": "integer"},
-    },
-    "defs_ref": {
-        "$defs": {
-            "point": {
-                "type": "object",
-                "properties": {"x": {"type": "integer"}},
-                "required": ["x"],
-                "additionalProperties": False,
-            }
-        },
-        "type": "object",
-        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
-    "top_level_bool": {"type": "boolean"},
-    "tags": {
-        "type": "object",
-        "properties": {
-            "tags": {
-                "type": "array",
-                "items": {"enum": ["x", "y", "z"]},
-                "minItems": 1,
-                "maxItems": 5,
-            }
-        },
-        "required": ["tags"],
-        "additionalProperties": False,
-    },
-    "all_types": {
-        "type": "object",
-        "properties": {
-            "s": {"type": "string", "pattern": r"^[a-z]+$", "maxLength": 4},
-            "i": {"type": "integer", "maximum": -1},
-            "n": {"type": "number"},
-            "b": {"type": "boolean"},
-            "z": {"type": "null"},
-            "a": {"type": "array", "maxItems": 2, "items": {"type": "boolean"}},
-        },
-        "required": ["s", "i", "n", "b", "z", "a"],
-        "additionalProperties": False,
-    },
-    "one_key_optional_nested": {
-        "type": "object",
-        "properties": {
-            "meta": {
-                "type": "object",
-                "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "integer", "minimum": 1}},
-                "required": ["k"],
-                "additionalProperties": False,
-            }
-        },
-        "additionalProperties": False,
-    },
-}
-
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> TokenizerBundle:
-    from tokenizers import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    make_tokenizer(folder, VOCAB)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return TokenizerBundle(
-        tokenizer=tok,
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_ids=[tok.token_to_id("</s>")],
-        add_bos_token=False,
-        chat_template=config["chat_template"],
-        bos_token="<s>",
-        eos_token="</s>",
-    )
+    return tiny_tokenizer_bundle(tmp_path_factory.mktemp("tokenizer"), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Tool calling and reasoning through the server, with the official `openai` client, over a
-runner double that answers with a scripted text (no compile; each test takes milliseconds).
+"""Tool calling and reasoning through the server, with the official `openai` client, over the
+scripted runner double of `scripted_server.py` (no compile; each test takes milliseconds).
 
 The model is the tiny byte-level tokenizer plus Qwen's added tokens, with a Qwen2.5 tool
 template (plus Qwen3's thinking switch in the generation prompt), so the Hermes format and the
@@ -12,220 +12,24 @@ from __future__ import annotations
 import json
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from server_helpers import MODEL, serve_engine  # noqa: I001
+from scripted_server import (
+    CALL,
+    PLAIN_TEMPLATE,
+    QWEN_TOOL_TEMPLATE,
+    TOOLS,
+    USER,
+    make_bundle,
+    say,
+    start_scripted,
+)
+from server_helpers import MODEL  # noqa: I001
 
 from tallow.runtime.artifact import TokenizerBundle
-from tallow.runtime.engine import Engine
-from tallow.runtime.fake_runner import FakeModelRunner
-from tallow.runtime.scheduler import SchedulerConfig
-from tallow.server import protocol
-from tallow.server.app import ServerOptions
+from tallow.server import protocol, protocol_chat
 
 from tiny_models import make_tokenizer
-
-# Qwen2.5-Instruct's tool template; the generation prompt adds Qwen3's `enable_thinking`
-# switch and an `open_think` flag (a template that opens the think block in the prompt).
-QWEN_TOOL_TEMPLATE = (
-    "{%- if tools %}\n"
-    "    {{- '<|im_start|>system\\n' }}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n"
-    "    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
-    "    {%- endif %}\n"
-    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
-    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
-    '\\n<tools>" }}\n'
-    "    {%- for tool in tools %}\n"
-    '        {{- "\\n" }}\n'
-    "        {{- tool | tojson }}\n"
-    "    {%- endfor %}\n"
-    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
-    '<|im_end|>\\n" }}\n'
-    "{%- else %}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
-    "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
-    "helpful assistant.<|im_end|>\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
-    '(message.role == "assistant" and not message.tool_calls) %}\n'
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
-    "'\\n' }}\n"
-    '    {%- elif message.role == "assistant" %}\n'
-    "        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n"
-    "            {{- '\\n' + message.content }}\n"
-    "        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n"
-    "            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n"
-    "            {%- endif %}\n"
-    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
-    "            {{- tool_call.name }}\n"
-    '            {{- \'", "arguments": \' }}\n'
-    "            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n"
-    "        {%- endfor %}\n"
-    "        {{- '<|im_end|>\\n' }}\n"
-    '    {%- elif message.role == "tool" %}\n'
-    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
-    "            {{- '<|im_start|>user' }}\n"
-    "        {%- endif %}\n"
-    "        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n"
-    "        {{- '\\n</tool_response>' }}\n"
-    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
-    "            {{- '<|im_end|>\\n' }}\n"
-    "        {%- endif %}\n"
-    "    {%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
-    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "    {%- elif open_think is defined and open_think %}\n"
-    "        {{- '<think>\\n' }}\n"
-    "    {%- endif %}\n"
-    "{%- endif %}\n"
-)
-PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    }
-]
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-CALL += "\n</tool_call>"
-
-
-class ScriptedRunner(FakeModelRunner):
-    """Answers every prompt with `script` (token ids), then EOS: the logits put all weight on
-    the next script token after the longest script prefix that the sequence ends with. With
-    `resume`, a sequence pushed off the script (by a grammar) picks it up again after the
-    longest run of two or more tokens it ends with that the script contains."""
-
-    def __init__(self, eos: int, **kw) -> None:
-        super().__init__(**kw)
-        self.eos = eos
-        self.script: list[int] = []
-        self.last_prompt: list[int] = []
-        self.resume = False
-        self._prompts: list[list[int]] = []  # histories right after each prefill
-
-    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
-        out = super().forward(items)
-        for sid, tokens in items:
-            if len(tokens) > 1:  # a prefill: everything the sequence holds is prompt
-                self._prompts.append(self._history(self._seqs[sid]))
-        return out
-
-    def _generated(self, history: list[int]) -> list[int]:
-        starts = [p for p in self._prompts if history[: len(p)] == p]
-        return history[len(max(starts, key=len)) :] if starts else []
-
-    def _resume_at(self, history: list[int]) -> int:
-        """Script position after the longest suffix of the generated tokens the script holds."""
-        gen = self._generated(history)
-        for n in range(len(gen), 0, -1):
-            tail = gen[-n:]
-            for i in range(len(self.script) - n + 1):
-                if self.script[i : i + n] == tail:
-                    return i + n
-        return 0
-
-    def _logits(self, history: list[int]) -> np.ndarray:
-        k = next(
-            k for k in range(len(self.script), -1, -1) if k == 0 or history[-k:] == self.script[:k]
-        )
-        if k == 0:
-            self.last_prompt = list(history)
-            if self.resume:
-                k = self._resume_at(history)
-        out = np.full(self.vocab_size, -30.0, dtype=np.float32)
-        out[self.script[k] if k < len(self.script) else self.eos] = 30.0
-        return out
-
-
-def make_bundle(folder, template: str) -> TokenizerBundle:
-    from tokenizers import AddedToken, Tokenizer
-
-    make_tokenizer(folder, 320)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    # Qwen's tool and think tags are added tokens that are not special (kept in the output).
-    tok.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
-    tok.add_tokens([AddedToken(t, special=False) for t in ("<think>", "</think>")])
-    eos = tok.token_to_id("<|im_end|>")
-    return TokenizerBundle(
-        tokenizer=tok,
-        bos_token_id=None,
-        eos_token_ids=[eos],
-        add_bos_token=False,
-        chat_template=template,
-        bos_token=None,
-        eos_token="<|im_end|>",
-    )
-
-
-def start(bundle: TokenizerBundle):
-    tok = bundle.tokenizer
-    runner = ScriptedRunner(
-        eos=bundle.eos_token_ids[0],
-        vocab_size=tok.get_vocab_size(with_added_tokens=True),
-        context_window=1024,
-        num_pages=256,
-    )
-    runner.tokenizer = bundle
-    engine = Engine(
-        runner,
-        tokenizer=tok,
-        eos_token_ids=bundle.eos_token_ids,
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048),
-    )
-    return serve_engine(engine, ServerOptions()), runner
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    bundle = make_bundle(tmp_path_factory.mktemp("qwen"), QWEN_TOOL_TEMPLATE)
-    server, runner = start(bundle)
-    yield server, runner, bundle
-    server.stop()
-
-
-@pytest.fixture
-def client(qwen):
-    server, _, _ = qwen
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-
-
-def say(qwen, text: str) -> None:
-    _, runner, bundle = qwen
-    runner.script = bundle.tokenizer.encode(text, add_special_tokens=False).ids
-    assert bundle.tokenizer.decode(runner.script, skip_special_tokens=True) == text
 
 
 def reassemble(chunks) -> dict:
@@ -275,9 +79,9 @@ def greedy(**kw):
 # -- tool calls --------------------------------------------------------------------------------
 
 
-def test_tool_call_response_and_stream(qwen, client):
+def test_tool_call_response_and_stream(qwen, qwen_client):
     say(qwen, "Let me look that up.\n" + CALL)
-    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    r = qwen_client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me look that up."
@@ -287,9 +91,9 @@ def test_tool_call_response_and_stream(qwen, client):
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
     assert call.function.arguments == '{"city": "Paris", "unit": "celsius"}'  # as written
     body = r.model_dump(exclude_unset=True)
-    protocol.ChatCompletionResponse.model_validate(body)
+    protocol_chat.ChatCompletionResponse.model_validate(body)
     chunks = list(
-        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+        qwen_client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
     )
     streamed = reassemble(chunks)
     assert no_ids(streamed) == no_ids(as_streamed(choice.message, "tool_calls"))
@@ -306,26 +110,26 @@ def test_tool_call_response_and_stream(qwen, client):
     assert "".join(deltas) == call.function.arguments
 
 
-def test_two_calls_and_plain_answers(qwen, client):
+def test_two_calls_and_plain_answers(qwen, qwen_client):
     second = CALL.replace("Paris", "Oslo")
     say(qwen, CALL + "\n" + second)
-    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    r = qwen_client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
     assert r.choices[0].message.content is None
     assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
         "Paris",
         "Oslo",
     ]
     streamed = reassemble(
-        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+        qwen_client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
     )
     assert no_ids(streamed) == no_ids(as_streamed(r.choices[0].message, "tool_calls"))
     # parallel_tool_calls=false keeps the first call only.
-    one = client.chat.completions.create(
+    one = qwen_client.chat.completions.create(
         messages=USER, tools=TOOLS, parallel_tool_calls=False, **greedy()
     )
     assert len(one.choices[0].message.tool_calls) == 1
     # tool_choice none: the text is returned as it is.
-    none = client.chat.completions.create(
+    none = qwen_client.chat.completions.create(
         messages=USER, tools=TOOLS, tool_choice="none", **greedy()
     )
     assert (
@@ -336,27 +140,27 @@ def test_two_calls_and_plain_answers(qwen, client):
     # Malformed JSON before the call's name is known: plain content, both ways.
     bad = '<tool_call>\n{"arguments": {"city": }, "name": "get_weather"}\n</tool_call>'
     say(qwen, bad)
-    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    r = qwen_client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
     assert r.choices[0].message.content == bad and r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
     s = reassemble(
-        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+        qwen_client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
     )
     assert s == as_streamed(r.choices[0].message, "stop")
     # ... and after it: the call ends with the arguments sent so far, the rest is content.
     say(qwen, '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>')
-    r = client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
+    r = qwen_client.chat.completions.create(messages=USER, tools=TOOLS, **greedy())
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": ')
     assert r.choices[0].message.content == "}\n</tool_call>"
     assert r.choices[0].finish_reason == "tool_calls"
     s = reassemble(
-        client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
+        qwen_client.chat.completions.create(messages=USER, tools=TOOLS, stream=True, **greedy())
     )
     assert no_ids(s) == no_ids(as_streamed(r.choices[0].message, "tool_calls"))
 
 
-def test_tool_round_trip_renders_like_transformers(qwen, client):
+def test_tool_round_trip_renders_like_transformers(qwen, qwen_client):
     transformers = pytest.importorskip("transformers")
     _, runner, bundle = qwen
     say(qwen, "It is 18 degrees in Paris.")
@@ -376,7 +180,7 @@ def test_tool_round_trip_renders_like_transformers(qwen, client):
         },
         {"role": "tool", "tool_call_id": "call_abc123", "content": '{"temp": 18}'},
     ]
-    r = client.chat.completions.create(messages=convo, tools=TOOLS, **greedy())
+    r = qwen_client.chat.completions.create(messages=convo, tools=TOOLS, **greedy())
     assert r.choices[0].message.content == "It is 18 degrees in Paris."
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
     hf = transformers.PreTrainedTokenizerFast(
@@ -394,7 +198,7 @@ def test_tool_round_trip_renders_like_transformers(qwen, client):
     assert runner.last_prompt == ids
     assert r.usage.prompt_tokens == len(ids)
     # Template kwargs reach the template as apply_chat_template's kwargs do.
-    client.chat.completions.create(
+    qwen_client.chat.completions.create(
         messages=USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **greedy()
     )
     expected = hf.apply_chat_template(
@@ -407,16 +211,18 @@ def test_tool_round_trip_renders_like_transformers(qwen, client):
 # -- reasoning ---------------------------------------------------------------------------------
 
 
-def test_reasoning_split_streaming_and_not(qwen, client):
+def test_reasoning_split_streaming_and_not(qwen, qwen_client):
     _, _, bundle = qwen
     text = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
     say(qwen, text)
     ids = bundle.tokenizer.encode(text, add_special_tokens=False).ids
     assert bundle.tokenizer.token_to_id("<think>") in ids  # the tags are single tokens here
-    r = client.chat.completions.create(messages=USER, **greedy())
+    r = qwen_client.chat.completions.create(messages=USER, **greedy())
     msg = r.choices[0].message
     assert msg.reasoning_content == "The user asks about Paris." and msg.content == "It is sunny."
-    streamed = reassemble(client.chat.completions.create(messages=USER, stream=True, **greedy()))
+    streamed = reassemble(
+        qwen_client.chat.completions.create(messages=USER, stream=True, **greedy())
+    )
     assert streamed == as_streamed(msg, "stop")
 
 
@@ -430,7 +236,7 @@ def test_reasoning_tags_split_across_tokens(tmp_path):
     plain = Tokenizer.from_file(str(tmp_path / "plain" / "tokenizer.json"))
     plain.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     bundle = TokenizerBundle(**{**bundle.__dict__, "tokenizer": plain})
-    server, runner = start(bundle)
+    server, runner = start_scripted(bundle)
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
         text = "Paris is in France, so\n</think>\n\nIt is sunny." + "\n" + CALL
@@ -483,7 +289,7 @@ def test_forcing_puts_a_grammar_on_the_params(qwen, monkeypatch):
     assert '("\\n"' in seen[0] and '("\\n"' not in seen[1]  # parallel calls only when allowed
 
 
-def test_forced_call_follows_the_schema(qwen, client):
+def test_forced_call_follows_the_schema(qwen, qwen_client):
     # The script opens with plain text; the grammar must make the model call the tool at once
     # (the runner double then resumes its script inside the call).
     _, runner, _ = qwen
@@ -492,7 +298,7 @@ def test_forced_call_follows_the_schema(qwen, client):
     try:
         named = {"type": "function", "function": {"name": "get_weather"}}
         for choice in (named, "required"):
-            r = client.chat.completions.create(
+            r = qwen_client.chat.completions.create(
                 messages=USER, tools=TOOLS, tool_choice=choice, **greedy()
             )
             (call,) = r.choices[0].message.tool_calls
@@ -501,7 +307,7 @@ def test_forced_call_follows_the_schema(qwen, client):
             assert json.loads(call.function.arguments)["city"] == "Paris"
             assert r.choices[0].finish_reason == "tool_calls"
             streamed = reassemble(
-                client.chat.completions.create(
+                qwen_client.chat.completions.create(
                     messages=USER, tools=TOOLS, tool_choice=choice, stream=True, **greedy()
                 )
             )
@@ -513,7 +319,7 @@ def test_forced_call_follows_the_schema(qwen, client):
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def test_bad_tool_requests(qwen, client, tmp_path):
+def test_bad_tool_requests(qwen, qwen_client, tmp_path):
     server, _, _ = qwen
     url = f"{server.base_url}/v1/chat/completions"
     string_params = [
@@ -536,14 +342,16 @@ def test_bad_tool_requests(qwen, client, tmp_path):
         assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
         protocol.ErrorResponse.model_validate(r.json())
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(messages=USER, tools=TOOLS, tool_choice=unknown, **greedy())
+        qwen_client.chat.completions.create(
+            messages=USER, tools=TOOLS, tool_choice=unknown, **greedy()
+        )
     assert "nope" in e.value.message
     say(qwen, "Fine.")
-    assert client.chat.completions.create(messages=USER, **greedy()).choices[0].message.content
+    assert qwen_client.chat.completions.create(messages=USER, **greedy()).choices[0].message.content
 
 
 def test_tools_on_a_template_without_tool_support(tmp_path):
-    server, runner = start(make_bundle(tmp_path, PLAIN_TEMPLATE))
+    server, runner = start_scripted(make_bundle(tmp_path, PLAIN_TEMPLATE))
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:

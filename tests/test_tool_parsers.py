@@ -2,15 +2,22 @@
 tests in each family's format): whole-text parses, and the streaming parsers fed every split
 of the text reassemble to exactly the whole-text parse; a call's name comes before its
 arguments end, and its arguments in pieces. Malformed and cut-off calls follow the rule in
-`tallow.server.tool_calls.base`. The incremental JSON checker agrees with `json.loads`.
-Forced-call grammars compile in llguidance and accept the calls they are meant to force."""
+`tallow.server.tool_calls.stream`. The format is picked from the chat template.
+"""
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
+from tool_call_outputs import (
+    CASES,
+    LONG_ARGS,
+    MISTRAL_V11,
+    TIME,
+    WEATHER,
+    is_json,
+    splits,
+    streamed,
+)
 
 from tallow.server.chat_output import ChatOutputOptions, ChoiceStream, parse_choice
 from tallow.server.reasoning import (
@@ -27,211 +34,7 @@ from tallow.server.tool_calls import (
     MistralParser,
     parser_for_template,
 )
-from tallow.server.tool_calls.base import StreamDelta, collect
-from tallow.server.tool_calls.json_stream import JsonScanner
-
-WEATHER = '{"city": "Paris", "unit": "celsius"}'
-TIME = '{"tz": "Europe/Paris"}'
-
-# (parser, text, expected content, expected [(name, arguments)])
-CASES = [
-    # Hermes / Qwen
-    (
-        HermesParser,
-        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
-        None,
-        [("get_weather", WEATHER)],
-    ),
-    (
-        HermesParser,
-        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n'
-        f'<tool_call>\n{{"name": "get_time", "arguments": {TIME}}}\n</tool_call>',
-        None,
-        [("get_weather", WEATHER), ("get_time", TIME)],
-    ),
-    (
-        HermesParser,
-        f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n'
-        "</tool_call>\nOne moment.",
-        "Let me check.\n\nOne moment.",
-        [("get_weather", WEATHER)],
-    ),
-    (
-        HermesParser,  # malformed once the call started: it ends there, the rest is content
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>',
-        "\n</tool_call>",
-        [("get_weather", '{"city": "Par')],
-    ),
-    (
-        HermesParser,  # malformed before the name is known: all content, as written
-        '<tool_call>\n{"arguments": {"city": }}\n</tool_call> ok',
-        '<tool_call>\n{"arguments": {"city": }}\n</tool_call> ok',
-        [],
-    ),
-    (
-        HermesParser,  # arguments that are not an object
-        '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
-        "[1]}</tool_call>",
-        [("get_weather", "")],
-    ),
-    (
-        HermesParser,  # keys in any order, other keys ignored, the model's own JSON text
-        '<tool_call>{"arguments": {"a":[1,2.5e3,true,null],"b":"\\u00fc"}, "x": -0.5, '
-        '"name": "f"}</tool_call>',
-        None,
-        [("f", '{"a":[1,2.5e3,true,null],"b":"\\u00fc"}')],
-    ),
-    (HermesParser, '<tool_call>{"name": "get_time"}</tool_call>', None, [("get_time", "{}")]),
-    (
-        HermesParser,  # a tag inside a failed region starts a new one
-        '<tool_call><tool_call>{"name": "get_time"}</tool_call>',
-        "<tool_call>",
-        [("get_time", "{}")],
-    ),
-    (
-        HermesParser,
-        "<tool_call>\nnot json\n</tool_call>",
-        "<tool_call>\nnot json\n</tool_call>",
-        [],
-    ),
-    (HermesParser, 'a < b and <tool_call{"x"', 'a < b and <tool_call{"x"', []),
-    (
-        HermesParser,  # stopped right after the JSON, no closing tag
-        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}',
-        None,
-        [("get_weather", WEATHER)],
-    ),
-    (
-        HermesParser,  # arguments sent as a JSON string, and non-ASCII text
-        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Zürich\\"}"}</tool_call>',
-        None,
-        [("get_weather", '{"city": "Zürich"}')],
-    ),
-    (HermesParser, "Just text, no calls.  ", "Just text, no calls.  ", []),
-    # Llama 3.x JSON
-    (
-        Llama3JsonParser,
-        f'{{"name": "get_weather", "parameters": {WEATHER}}}',
-        None,
-        [("get_weather", WEATHER)],
-    ),
-    (
-        Llama3JsonParser,
-        f'<|python_tag|>{{"name": "get_weather", "parameters": {WEATHER}}}; '
-        f'{{"name": "get_time", "parameters": {TIME}}}',
-        None,
-        [("get_weather", WEATHER), ("get_time", TIME)],
-    ),
-    (
-        Llama3JsonParser,  # text first: Llama answers either with calls or with text
-        'The weather tool wants {"city": "Paris"}.',
-        'The weather tool wants {"city": "Paris"}.',
-        [],
-    ),
-    (
-        Llama3JsonParser,  # cut off once the arguments began: the call ends there
-        '{"name": "get_weather", "parameters": {"ci',
-        None,
-        [("get_weather", '{"ci')],
-    ),
-    (
-        Llama3JsonParser,  # bare JSON: the name alone does not start a call
-        '{"name": "get_weather", "para',
-        '{"name": "get_weather", "para',
-        [],
-    ),
-    (
-        Llama3JsonParser,  # after a complete call, text that is no call is content
-        '{"name": "get_time", "parameters": {}}; and then',
-        "and then",
-        [("get_time", "{}")],
-    ),
-    (Llama3JsonParser, '{"answer": 42}', '{"answer": 42}', []),
-    # Mistral
-    (
-        MistralParser,
-        f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, '
-        f'{{"name": "get_time", "arguments": {TIME}}}]',
-        None,
-        [("get_weather", WEATHER), ("get_time", TIME)],
-    ),
-    (
-        MistralParser,
-        f"Sure. [TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{TIME}",
-        "Sure.",
-        [("get_weather", WEATHER), ("get_time", TIME)],
-    ),
-    (
-        MistralParser,  # the special token dropped by the detokenizer
-        f' [{{"name": "get_weather", "arguments": {WEATHER}}}]',
-        None,
-        [("get_weather", WEATHER)],
-    ),
-    (
-        MistralParser,
-        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": }]',
-        "}]",
-        [("get_weather", '{"city": ')],
-    ),
-    (
-        MistralParser,  # the list's end closes the region; what follows is content
-        f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}] Done.',
-        "Done.",
-        [("get_weather", WEATHER)],
-    ),
-    (MistralParser, "[TOOL_CALLS][] no calls", "[TOOL_CALLS][] no calls", []),
-    (MistralParser, "[1] is a citation.", "[1] is a citation.", []),
-    # The generic forced format
-    (
-        JsonListParser,
-        f'[{{"name": "get_weather", "parameters": {WEATHER}}}]',
-        None,
-        [("get_weather", WEATHER)],
-    ),
-]
-
-
-MISTRAL_V11 = f"Sure. [TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{TIME}"
-LONG_ARGS = json.dumps({"city": "Paris", "notes": "a long note " * 20, "days": list(range(30))})
-
-
-def splits(text: str, seed: int) -> list[list[str]]:
-    """The text char by char, and in random chunkings."""
-    rng = random.Random(seed)
-    out = [list(text)]
-    for _ in range(12):
-        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8))))
-        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
-    return out
-
-
-def streamed(parser, pieces: list[str], max_calls=None, log: list | None = None):
-    """The stream's deltas added up and collected; `log` gets each feed's delta."""
-    stream = parser.stream(max_calls)
-    total = StreamDelta()
-    for piece in [*pieces, None]:
-        d = stream.finish() if piece is None else stream.feed(piece)
-        # Each call's first delta carries its id and name, and no arguments; later ones only
-        # arguments.
-        seen = {x.index for x in total.tool_calls}
-        for x in d.tool_calls:
-            if x.index not in seen:
-                assert x.id and x.name and not x.arguments
-                seen.add(x.index)
-            else:
-                assert x.id is None and x.name is None and x.arguments
-        if log is not None:
-            log.append(d)
-        total += d
-    return collect(total)
-
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+from tallow.server.tool_calls.deltas import StreamDelta
 
 
 @pytest.mark.parametrize(("parser_cls", "text", "content", "calls"), CASES)
@@ -346,85 +149,6 @@ def test_call_ids():
     assert len(calls) == 2 and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
 
 
-# -- the incremental JSON checker --------------------------------------------------------------
-
-JSON_GOOD = [
-    '{"a": [1, -2.5, 3e10, 0.1E-2, true, false, null], "b": {"c": "x\\"y\\u00e9\\ud83d\\ude00"}}',
-    "[]",
-    "{}",
-    ' [ { } , [ ] , "" ] ',
-    '"\\/\\b\\f\\n\\r\\t"',
-    "[-0, 0.0, 1E+2]",
-    '{"lone": "\\ud800x"}',
-]
-JSON_BAD = [
-    "[01]",
-    "[1.]",
-    "[.5]",
-    "[-]",
-    "[1e]",
-    "[NaN]",
-    "[Infinity]",
-    "[tru]x",
-    "[1,]",
-    '{"a" 1}',
-    '{"a": 1,}',
-    "{,}",
-    "{1: 2}",
-    '["\\x"]',
-    '["\\u12g4"]',
-    '["a\nb"]',
-    "[1]]",
-    "[}",
-    '{"a": ]',
-]
-
-
-def scan(text: str) -> bool:
-    """Whether JsonScanner takes all of `text` (spaces around it aside) as one value."""
-    j = JsonScanner()
-    body = text.strip()
-    return all(j.feed(c) for c in body) and j.done
-
-
-@pytest.mark.parametrize("text", JSON_GOOD + JSON_BAD)
-def test_json_scanner_agrees_with_json_loads(text):
-    assert scan(text) == (text in JSON_GOOD)
-    if text in JSON_GOOD:
-        # Strings are decoded as json.loads decodes them.
-        expected = json.loads(text)
-        if isinstance(expected, str):
-            j = JsonScanner()
-            for c in text.strip():
-                j.feed(c)
-            assert j.string == expected
-
-
-def test_json_scanner_on_random_documents():
-    rng = random.Random(11)
-
-    def value(depth: int):
-        kind = rng.choice(["int", "float", "str", "lit", "list", "dict"] if depth < 3 else ["str"])
-        if kind == "int":
-            return rng.randint(-(10**6), 10**6)
-        if kind == "float":
-            return rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-30, 30)
-        if kind == "str":
-            return "".join(rng.choice('ab"\\\n\u00e9\U0001f600 ') for _ in range(rng.randint(0, 6)))
-        if kind == "lit":
-            return rng.choice([True, False, None])
-        if kind == "list":
-            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
-        return {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 3))}
-
-    for _ in range(200):
-        doc = {"v": value(0)}
-        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
-        assert scan(text), text
-        cut = rng.randrange(1, len(text))
-        assert not scan(text[:cut])  # a proper prefix is never a whole object
-
-
 # -- picking a parser from the chat template -------------------------------------------------
 
 QWEN_SNIPPET = "{{- '<tool_call>\\n' }}{{ tool_call.arguments | tojson }}{{- '\\n</tool_call>' }}"
@@ -441,106 +165,6 @@ def test_parser_for_template():
     assert parser_for_template("{{ messages }}") is None
     assert parser_for_template(None) is None
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
-
-
-# -- forced-call grammars ----------------------------------------------------------------------
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "get_time"}},
-]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer(tmp_path_factory):
-    llguidance = pytest.importorskip("llguidance")
-    from tokenizers import Tokenizer
-
-    from tiny_models import make_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    make_tokenizer(folder, 320)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return llguidance.LLTokenizer(tok.to_str(), eos_token=tok.token_to_id("</s>"))
-
-
-def accepts(ll_tokenizer, lark: str, text: str) -> bool:
-    from llguidance import LLMatcher
-
-    matcher = LLMatcher(ll_tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    ok = matcher.consume_tokens(ll_tokenizer.tokenize_str(text))
-    return ok and matcher.is_accepting()
-
-
-GRAMMAR_CASES = [
-    (
-        HermesParser,
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-        '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>',
-    ),
-    (
-        Llama3JsonParser,
-        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
-        '{"name": "get_weather", "parameters": {"city": 3}}',
-    ),
-    (
-        MistralParser,
-        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-        '[{"name": "get_time", "arguments": {}}]',
-    ),
-    (
-        JsonListParser,
-        '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
-        '[{"name": "get_weather", "parameters": {"unit": "kelvin"}}]',
-    ),
-]
-
-
-@pytest.mark.parametrize(("parser_cls", "good", "bad"), GRAMMAR_CASES)
-def test_forced_call_grammars(ll_tokenizer, parser_cls, good, bad):
-    from llguidance import LLMatcher
-
-    parser = parser_cls()
-    named = parser.forced_call_grammar(TOOLS, NAMED, parallel=False)
-    anyof = parser.forced_call_grammar(TOOLS, "required", parallel=True)
-    for lark in (named, anyof):
-        failed, messages = LLMatcher.validate_grammar_with_warnings(
-            LLMatcher.grammar_from_lark(lark)
-        )
-        assert not failed, (lark, messages)
-    assert accepts(ll_tokenizer, named, good)
-    assert not accepts(ll_tokenizer, named, bad)
-    # What the grammar makes the model write is what the parser reads back.
-    content, calls = parser.parse(good)
-    assert content is None and calls[0].name == "get_weather"
-
-
-def test_required_grammar_allows_any_tool_and_parallel_calls(ll_tokenizer):
-    lark = HermesParser().forced_call_grammar(TOOLS, "required", parallel=True)
-    two = (
-        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    )
-    assert accepts(ll_tokenizer, lark, two)
-    single = HermesParser().forced_call_grammar(TOOLS, "required", parallel=False)
-    assert not accepts(ll_tokenizer, single, two)
-    with pytest.raises(ValueError):
-        HermesParser().forced_call_grammar(TOOLS, {"function": {"name": "nope"}})
 
 
 # -- reasoning ---------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from tallow.runtime.served_model import ServedModel
 
 from ..chat_output import ChatOutputOptions, ChoiceDelta, ChoiceStream, parse_choice
 from ..jobs import Job
-from ..protocol import (
+from ..protocol import UsageInfo
+from ..protocol_chat import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,
@@ -27,7 +28,6 @@ from ..protocol import (
     DeltaToolCall,
     ResponseFunctionCall,
     ResponseToolCall,
-    UsageInfo,
 )
 from .base import FinishedChoice, ResponseFormatter
 

@@ -11,7 +11,7 @@ from ..context import Context, json_body
 from ..formatters import ChatFormatter
 from ..generation import generate_response
 from ..prompts import chat_inputs
-from ..protocol import ChatCompletionRequest, ChatCompletionResponse
+from ..protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 
 router = APIRouter()
 

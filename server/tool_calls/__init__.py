@@ -6,11 +6,13 @@ format is a module with a `ToolCallParser` subclass plus an entry in `TOOL_PARSE
 
 from __future__ import annotations
 
-from .base import StreamDelta, ToolCall, ToolCallDelta, ToolCallParser, ToolCallStream
+from .base import ToolCallParser
+from .deltas import StreamDelta, ToolCall, ToolCallDelta
 from .hermes import HermesParser
 from .json_list import JsonListParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser
+from .stream import ToolCallStream
 
 # Checked in order; the first that matches wins (Mistral's marker is the most specific).
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from .base import CallObjectReader, CallSink, Literal, RegionReader, ToolCallParser, is_space
+from .base import ToolCallParser
 from .grammar import call_rules, tag
+from .readers import CallObjectReader, CallSink, Literal, RegionReader, is_space
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from .base import CallListReader, CallSink, RegionReader, ToolCallParser
+from .base import ToolCallParser
 from .grammar import call_rules
+from .readers import CallListReader, CallSink, RegionReader
 
 
 class JsonListParser(ToolCallParser):

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from .base import CallObjectReader, CallSink, Literal, RegionReader, ToolCallParser, is_space
+from .base import ToolCallParser
 from .grammar import call_rules
+from .readers import CallObjectReader, CallSink, Literal, RegionReader, is_space
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -12,16 +12,16 @@ import string
 from collections.abc import Collection
 from typing import Any
 
-from .base import (
+from .base import ToolCallParser
+from .grammar import call_rules
+from .readers import (
     ArgumentsReader,
     CallListReader,
     CallSink,
     Literal,
     RegionReader,
-    ToolCallParser,
     is_space,
 )
-from .grammar import call_rules
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
