@@ -74,6 +74,7 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--sm",
+        "-sm",  # as nvcc-style tools and the user's card spell it
         type=int,
         action="append",
         dest="sms",

@@ -118,8 +118,55 @@ def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
             source = _folder_source(spec, _download_from_hub(spec))
             source.hub_id = spec
             return source
+        if _looks_like_bare_name(spec):
+            return resolve_source(_cached_repo_for(spec), gguf_file)
         raise ModelSourceError(f"model not found: {spec} (no such folder or file)")
     return _folder_source(spec, path)
+
+
+def _looks_like_bare_name(spec: str) -> bool:
+    """`Qwen3-8B`: a hub repository's name without its organisation."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*", spec))
+
+
+def _cached_repo_for(name: str) -> str:
+    """The one `org/name` model repository in the local Hugging Face cache whose name is
+    `name` (case-insensitive). A bare name never triggers a download: which organisation
+    the user meant is a guess we do not make."""
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE)
+    found = sorted(
+        d.name.removeprefix("models--").replace("--", "/", 1)
+        for d in (cache.glob("models--*--*") if cache.is_dir() else [])
+        if d.name.split("--", 2)[-1].lower() == name.lower()
+    )
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ModelSourceError(
+            f"model not found: {name}; the Hugging Face cache has several: {', '.join(found)} "
+            f"(pass one of them)"
+        )
+    raise ModelSourceError(
+        f"model not found: {name} is no folder or file, and no repository of that name is in "
+        f"the local Hugging Face cache ({cache}); name the hub repository as org/name (did you "
+        f"mean {_guess_org(name)}/{name}?)"
+    )
+
+
+# Organisations of the model families tallow compiles, to word the hint of a bare name.
+_KNOWN_ORGS = {
+    "qwen": "Qwen",
+    "llama": "meta-llama",
+    "smollm": "HuggingFaceTB",
+    "mistral": "mistralai",
+}
+
+
+def _guess_org(name: str) -> str:
+    low = name.lower()
+    return next((org for prefix, org in _KNOWN_ORGS.items() if low.startswith(prefix)), "ORG")
 
 
 def _named_gguf(spec: str, path: Path, gguf_file: str) -> ModelSource:
