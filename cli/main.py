@@ -212,7 +212,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=8192, help="(default 8192)")
     p.add_argument(
-        "--max-queued-requests", type=int, default=256, help="waiting requests before 429 (256)"
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="waiting sequences (prompts x n) before 429 (256)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (4 MiB)"

@@ -142,6 +142,7 @@ class Engine:
         params: SamplingParams,
         sink: Sink,
         request_id: str | None = None,
+        group: str | None = None,
     ) -> str:
         """Validate and queue a request; outputs go to `sink` from the step thread.
 
@@ -164,7 +165,7 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         prompt = [int(t) for t in prompt_token_ids]
         self._inbox.add_request(
-            rid, functools.partial(self._add, rid, prompt, params, sink, matcher)
+            rid, functools.partial(self._add, rid, prompt, params, sink, matcher, group)
         )
         self._step_loop.wake()
         return rid
@@ -174,14 +175,16 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its stream of incremental outputs (call from a loop).
 
         Validation errors raise here, before any output, so a server can answer 400. Closing
-        the iterator early (client gone) aborts the request.
+        the iterator early (client gone) aborts the request. Requests of one `group` (one API
+        request's prompts) take one turn together when prefill is shared (`fairness`).
         """
         sink = QueueSink(asyncio.get_running_loop())
-        rid = self.submit(prompt_token_ids, params, sink, request_id)
+        rid = self.submit(prompt_token_ids, params, sink, request_id, group)
         self.start()
         return sink.stream(functools.partial(self.abort, rid))
 
@@ -336,8 +339,9 @@ class Engine:
         params: SamplingParams,
         sink: Sink,
         matcher: GrammarMatcher | None = None,
+        group: str | None = None,
     ) -> None:
-        req = Request(rid, prompt, params, self.scheduler.next_arrival_index())
+        req = Request(rid, prompt, params, self.scheduler.next_arrival_index(), group=group)
         seq = self.scheduler.add_request(req)
         state = RequestState(request=req, sink=sink)
         self._table.requests[rid] = state

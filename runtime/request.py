@@ -47,6 +47,13 @@ class Request:
     # then it finishes at once, generating nothing. It neither matches nor feeds the prefix
     # cache: pooling needs every prompt token's hidden state.
     embed: bool = False
+    # Requests sharing a group (one API request's prompts) take one turn together when the
+    # prefill budget is shared (`tallow.runtime.fairness`); None: the request is its own.
+    group: str | None = None
+
+    @property
+    def fair_key(self) -> str:
+        return self.group if self.group is not None else self.request_id
 
 
 @dataclass

@@ -33,6 +33,8 @@ class SamplingParams:
     # An llguidance grammar (`tallow.runtime.constraint`'s builders make one): every sampled
     # token must keep the output inside it. None: unconstrained.
     grammar: str | None = None
+    # Prefill turn order among requests (`tallow.runtime.fairness`): lower goes first.
+    priority: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:

@@ -4,10 +4,17 @@ Each `schedule()` builds one mixed batch, in priority order:
 
 1. one decode token for every running sequence that is decoding. These go first so a long
    prompt can never starve generation already under way;
-2. the next chunk of every running sequence still prefilling (FCFS), then
-3. newly admitted waiting sequences (FCFS, head-of-line blocking so nobody is overtaken),
+2. prefill: the rest of the budget is shared round-robin across *requests*
+   (`tallow.runtime.fairness`; one API request's prompts and n completions are one request).
+   Each request with prefill work gets an equal share (then the leftover, in turn order),
+   spent on the next chunks of its running prefills and then on admitting its waiting
+   sequences, head-of-line blocking only within the request;
 
-all within `max_num_batched_tokens`, `prefill_chunk_size` per sequence and `max_num_seqs`.
+all within `max_num_batched_tokens`, `prefill_chunk_size` per sequence and `max_num_seqs`. A
+short request behind a huge one is so prefilled in a step or two, and the huge one still
+gets its share every step. A waiting head that cannot be admitted (no pages or slots) may be
+overtaken by other requests for at most `max_overtake_steps` steps; then admission turns
+strict FCFS until it gets in, so a stream of small requests cannot starve it.
 
 The scheduler decides; the `KVCacheManager` accounts (page arithmetic, the prefix cache, every
 call into the runner's KV lifecycle) and the engine runs the returned `SchedulerOutput`. A
@@ -27,6 +34,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from tallow.runtime.fairness import RoundRobin
 from tallow.runtime.kv_manager import KVCacheManager
 from tallow.runtime.model_runner_protocol import ModelRunner
 from tallow.runtime.request import (
@@ -51,6 +59,9 @@ class SchedulerConfig:
     reserve_pages: int = 1
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
+    # Steps a blocked waiting head may be overtaken by other requests before admission
+    # turns strict FCFS until it is admitted.
+    max_overtake_steps: int = 32
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,9 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self._turns = RoundRobin()
+        self._overtaken = 0  # steps the current waiting head was blocked and overtaken
+        self._blocked_head: SequenceState | None = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -195,25 +209,59 @@ class Scheduler:
             out.num_decode_tokens += 1
         scheduled = {s.seq_id for s in decodes}
 
-        # 2. Running sequences part-way through their prefill, FCFS.
-        for s in self.running:
-            if budget <= 0:
-                break
-            if s.seq_id not in scheduled and s.num_pending_tokens > 1:
-                budget = self._schedule_chunk(out, s, budget)
-
-        # 3. Admit waiting sequences, FCFS; the head blocks the rest so nobody overtakes.
-        # Not in a step that had to preempt: the victim would be readmitted straight away.
-        while self.waiting and budget > 0 and not out.preempted:
-            s = self.waiting[0]
-            if len(self.running) + 1 + s.pending_forks > self.max_num_seqs:
-                break
-            if not self._admit(s):
-                break
-            self.waiting.popleft()
-            budget = self._schedule_chunk(out, s, budget)
+        # 2. Prefill chunks and admissions, shared round-robin across requests. No admissions
+        # in a step that had to preempt: the victim would be readmitted straight away.
+        self._schedule_prefills(out, budget, scheduled, admit=not out.preempted)
         out.new_pages = kv.planned_pages
         return out
+
+    def _schedule_prefills(
+        self, out: SchedulerOutput, budget: int, scheduled: set[int], admit: bool
+    ) -> None:
+        prefilling = (s for s in self.running if s.seq_id not in scheduled and s.is_prefill)
+        groups = self._turns.groups(prefilling, self.waiting if admit else ())
+        if not groups or budget <= 0:
+            return
+        self._turns.rotate()
+        head = self.waiting[0] if admit and self.waiting else None
+        strict = head is self._blocked_head and self._overtaken >= self.config.max_overtake_steps
+        blocked: set[str] = set()
+        admitted = 0
+        share = max(1, budget // len(groups))
+        for leftover in (False, True):  # each group's equal share, then what is left
+            for g in groups:
+                if budget <= 0:
+                    break
+                allowance = budget if leftover else min(share, budget)
+                left = allowance
+                while left > 0 and g.prefilling:
+                    left = self._schedule_chunk(out, g.prefilling.pop(0), left)
+                while left > 0 and g.waiting and g.key not in blocked:
+                    s = g.waiting[0]
+                    if (strict and s is not head) or not self._try_admit(s):
+                        blocked.add(g.key)
+                        break
+                    g.waiting.pop(0)
+                    self.waiting.remove(s)
+                    admitted += 1
+                    left = self._schedule_chunk(out, s, left)
+                budget -= allowance - left
+        if head is not None:
+            self._note_overtakes(head, blocked, admitted)
+
+    def _try_admit(self, s: SequenceState) -> bool:
+        if len(self.running) + 1 + s.pending_forks > self.max_num_seqs:
+            return False
+        return self._admit(s)
+
+    def _note_overtakes(self, head: SequenceState, blocked: set[str], admitted: int) -> None:
+        """Count the steps in which the waiting head was blocked while others got in."""
+        if not self.waiting or self.waiting[0] is not head:
+            self._blocked_head, self._overtaken = None, 0  # it got in
+        elif admitted and head.request.fair_key in blocked:
+            if head is not self._blocked_head:
+                self._blocked_head, self._overtaken = head, 0
+            self._overtaken += 1
 
     def _schedule_chunk(self, out: SchedulerOutput, s: SequenceState, budget: int) -> int:
         kv = self.kv

@@ -57,7 +57,7 @@ class ServerState:
 
     ready: bool = False
     draining: bool = False
-    queued: int = 0  # accepted requests that have not produced an output yet
+    queued: int = 0  # sequences (prompts x n) of accepted requests without an output yet
 
 
 @dataclass

@@ -49,23 +49,18 @@ class Job:
         self._done: set[int] = set()
         self._closed = False
         self._reasons: list[str] = []
-        if state.queued >= max_queued:
-            raise APIError(
-                429,
-                f"the server has {state.queued} requests waiting; retry later",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
+        # The limit counts engine sequences (prompts x n), not HTTP requests.
+        self._waiting: set[int] = set()  # prompts without an output yet
+        check_queue(state, len(prompts) * self.n, max_queued)
         self._streams = []
         try:
             for ids, p, rid in zip(prompts, params, self._rids, strict=True):
-                self._streams.append(engine.add_request(ids, p, request_id=rid))
+                self._streams.append(engine.add_request(ids, p, request_id=rid, group=self.id))
         except BaseException as e:
             self._abort_all()
             raise _engine_rejection(e) from e
-        state.queued += 1
-        self._waiting = True
+        state.queued += len(prompts) * self.n
+        self._waiting = set(range(len(prompts)))
         self.metrics.in_flight.inc()
         for ids in prompts:
             metrics.request_prompt_tokens.observe(len(ids))
@@ -75,11 +70,12 @@ class Job:
             if i not in self._done:
                 self.engine.abort(rid)
 
-    def _first_output(self) -> None:
-        if self._waiting:
-            self._waiting = False
-            self.state.queued -= 1
-            self.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+    def _first_output(self, i: int) -> None:
+        if i in self._waiting:
+            if len(self._waiting) == len(self._rids):  # the job's first output
+                self.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+            self._waiting.discard(i)
+            self.state.queued -= self.n
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs until every engine request has finished."""
@@ -104,7 +100,7 @@ class Job:
                 if isinstance(item, BaseException):
                     self._done.add(i)
                     raise item
-                self._first_output()
+                self._first_output(i)
                 self.usage[i] = item.usage
                 reasons += [d.finish_reason for d in item.outputs if d.finish_reason]
                 yield i, item
@@ -125,9 +121,8 @@ class Job:
             return
         self._closed = True
         self._abort_all()
-        if self._waiting:
-            self._waiting = False
-            self.state.queued -= 1
+        self.state.queued -= self.n * len(self._waiting)
+        self._waiting = set()
         self.metrics.in_flight.dec()
         self.metrics.latency.labels(self.endpoint).observe(time.perf_counter() - self.t0)
         for r in self._reasons or ["abort"]:
@@ -145,6 +140,19 @@ class Job:
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+def check_queue(state: ServerState, num_seqs: int, max_queued: int) -> None:
+    """429 when `num_seqs` more waiting sequences would pass the limit. An empty queue takes
+    any request, so one larger than the limit is not refused forever."""
+    if state.queued and state.queued + num_seqs > max_queued:
+        raise APIError(
+            429,
+            f"the server has {state.queued} sequences waiting (limit {max_queued}); retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
         )
 
 

@@ -18,6 +18,7 @@ from tallow.runtime.request import (
     Request,
     SchedulerOutput,
     SequenceState,
+    SequenceStatus,
 )
 from tallow.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tallow.runtime.scheduler import Scheduler, SchedulerConfig
@@ -39,9 +40,12 @@ def make(page_size=4, num_pages=64, prefix=False, **cfg) -> tuple[Scheduler, Fak
     return Scheduler(runner, config), runner
 
 
-def add(sched: Scheduler, prompt: list[int], max_tokens: int, rid: str = "") -> SequenceState:
+def add(
+    sched: Scheduler, prompt: list[int], max_tokens: int, rid: str = "", group: str | None = None
+) -> SequenceState:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     req = Request(rid or f"r{len(prompt)}", prompt, params, sched.next_arrival_index())
+    req.group = group
     return sched.add_request(req)
 
 
@@ -85,14 +89,20 @@ def test_chunked_prefill_boundaries():
 
 
 def test_token_budget_splits_prefills_across_sequences():
+    """Two requests share the prefill budget equally (fair, not first come first served)."""
     sched, runner = make(prefill_chunk_size=32, max_num_batched_tokens=40)
     a, b = add(sched, prompt(50), 2, "a"), add(sched, prompt(50, 3), 2, "b")
     first = step(sched, runner)
-    assert [(it.seq, len(it.token_ids)) for it in first.items] == [(a, 32), (b, 8)]
-    second = step(sched, runner)
+    assert [(it.seq, len(it.token_ids)) for it in first.items] == [(a, 20), (b, 20)]
+    second = step(sched, runner)  # the turn rotates: b first
     assert [(it.seq, len(it.token_ids), it.sample) for it in second.items] == [
-        (a, 18, True),
-        (b, 22, False),
+        (b, 20, False),
+        (a, 20, False),
+    ]
+    third = step(sched, runner)
+    assert [(it.seq, len(it.token_ids), it.sample) for it in third.items] == [
+        (a, 10, True),
+        (b, 10, True),
     ]
     for batch in run(sched, runner):
         assert sum(len(it.token_ids) for it in batch.items) <= 40
@@ -174,17 +184,40 @@ def test_preemption_takes_newest_first_and_is_transparent():
 
 
 def test_waiting_head_blocks_until_pages_free():
+    """Head-of-line blocking within one request (its prompts share a group); another request
+    that fits is admitted past the blocked head."""
     sched, runner = make(num_pages=12, prefill_chunk_size=64, reserve_pages=1)
     big = add(sched, prompt(36), 4, "big")  # 10 pages once done
     step(sched, runner)
-    second = add(sched, prompt(20, 2), 2, "second")  # 6 pages: does not fit yet
-    small = add(sched, prompt(2, 4), 2, "small")  # would fit, but must not overtake
+    second = add(sched, prompt(20, 2), 2, "second", group="job")  # 6 pages: does not fit yet
+    sibling = add(sched, prompt(2, 5), 2, "sibling", group="job")  # fits, same request: waits
+    small = add(sched, prompt(2, 4), 2, "small")  # fits, another request: goes ahead
     batch = step(sched, runner)
-    assert [it.seq for it in batch.items] == [big]
-    assert list(sched.waiting) == [second, small]
+    assert [it.seq for it in batch.items] == [big, small]
+    assert list(sched.waiting) == [second, sibling]
     run(sched, runner)
     assert second.output_token_ids == oracle(runner, prompt(20, 2), 2)
+    assert sibling.output_token_ids == oracle(runner, prompt(2, 5), 2)
     assert small.output_token_ids == oracle(runner, prompt(2, 4), 2)
+
+
+def test_a_blocked_head_is_overtaken_only_for_a_bounded_number_of_steps():
+    sched, runner = make(num_pages=12, prefill_chunk_size=64, reserve_pages=1)
+    sched.config.max_overtake_steps = 2
+    big = add(sched, prompt(30), 12, "big")  # 8 pages prefilled, 11 at the end
+    step(sched, runner)
+    second = add(sched, prompt(20, 2), 2, "second")  # 6 pages: does not fit while big runs
+    admitted = []
+    for i in range(4):  # a stream of small requests keeps arriving
+        s = add(sched, prompt(2, 10 + i), 1, f"small{i}")
+        step(sched, runner)
+        if s.status is not SequenceStatus.WAITING:
+            admitted.append(s)
+    assert len(admitted) == 2  # then admission turned strict behind `second`
+    assert sched.waiting[0] is second
+    run(sched, runner)
+    assert big.output_token_ids == oracle(runner, prompt(30), 12)
+    assert second.output_token_ids == oracle(runner, prompt(20, 2), 2)
 
 
 def test_requests_that_can_never_fit_are_rejected_at_once():

@@ -14,6 +14,7 @@ from tallow.runtime.request import ContextLengthExceededError
 from ..context import Context, json_body
 from ..errors import APIError, bad_request
 from ..formatters import EmbeddingFormatter
+from ..jobs import check_queue
 from ..prompts_embeddings import check_dimensions, embedding_prompts
 from ..protocol import EmbeddingRequest, EmbeddingResponse
 
@@ -50,17 +51,10 @@ async def embeddings(
     except ValueError as e:
         raise _rejection(e) from None
     state, metrics = context.state, context.metrics
-    if state.queued >= context.options.max_queued_requests:
-        raise APIError(
-            429,
-            f"the server has {state.queued} requests waiting; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        )
+    check_queue(state, len(prompts), context.options.max_queued_requests)
     formatter = EmbeddingFormatter(context.model_name)
     t0 = time.perf_counter()
-    state.queued += 1
+    state.queued += len(prompts)
     metrics.in_flight.inc()
     reason = "abort"
     try:
@@ -69,7 +63,7 @@ async def embeddings(
     except ValueError as e:  # raised before anything was queued (checked above already)
         raise _rejection(e) from None
     finally:
-        state.queued -= 1
+        state.queued -= len(prompts)
         metrics.in_flight.dec()
         metrics.latency.labels(formatter.endpoint).observe(time.perf_counter() - t0)
         metrics.requests.labels(formatter.endpoint, reason).inc()
