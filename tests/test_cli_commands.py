@@ -1,0 +1,111 @@
+"""`tallow inspect`, `compile --context-window/--name/--overwrite` and `generate --system/--seed/
+--top-k/--prompt -`, run in-process through `main()`, each checked by its effect."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import jinja2
+import pytest
+import yaml
+from tokenizers import Tokenizer
+
+from tallow.cli.main import main
+
+pytestmark = pytest.mark.slow  # compiles the tiny model
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def art(tiny_artifact):
+    return tiny_artifact("qwen3", "f32")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def generate(capsys, art, *args: str) -> tuple[str, str]:
+    code, out, err = run(capsys, "generate", str(art), "--max-tokens", "12", "--ignore-eos", *args)
+    assert code == 0, err
+    return out, err
+
+
+def prompt_tokens(err: str) -> int:
+    return int(re.search(r"prompt (\d+) tokens", err).group(1))
+
+
+def test_inspect_prints_the_manifest(capsys, art):
+    code, out, err = run(capsys, "inspect", str(art))
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    assert printed == yaml.safe_load((art / "manifest.yaml").read_text())
+    assert printed["model"]["architecture"] == "Qwen3ForCausalLM"
+    assert printed["kv_cache"]["page_size"] == 16 and printed["target"]["kind"] == "cpu"
+
+
+def test_compile_name_context_window_and_overwrite(capsys, tiny_model_dir, tmp_path):
+    model = str(tiny_model_dir("qwen3"))
+    base = ["compile", "--model", model, "--output", str(tmp_path), "--name", "mine", "--quiet"]
+    code, out, err = run(capsys, *base, "--context-window", "128")
+    assert code == 0, err
+    folder = tmp_path / "mine"
+    assert out.strip() == str(folder) and [p.name for p in tmp_path.iterdir()] == ["mine"]
+    manifest = yaml.safe_load((folder / "manifest.yaml").read_text())
+    assert manifest["kv_cache"]["context_window"] == 128
+    # Again without --overwrite: refused, with the reason, and the artifact left as it was.
+    before = (folder / "manifest.yaml").read_bytes()
+    code, out, err = run(capsys, *base, "--context-window", "64")
+    assert code == 2 and "already exists" in err and "--overwrite" in err
+    assert (folder / "manifest.yaml").read_bytes() == before
+    # With --overwrite: replaced (the new context window is in the manifest).
+    code, out, err = run(capsys, *base, "--context-window", "64", "--overwrite")
+    assert code == 0, err
+    manifest = yaml.safe_load((folder / "manifest.yaml").read_text())
+    assert manifest["kv_cache"]["context_window"] == 64
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+def test_generate_prompt_from_stdin(capsys, monkeypatch, art):
+    expected, _ = generate(capsys, art, "--prompt", PROMPT)
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+    got, err = generate(capsys, art, "--prompt", "-")
+    assert got == expected
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    assert prompt_tokens(err) == len(tok.encode(PROMPT).ids)
+    # Other text on stdin, another output: the prompt is what stdin holds.
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time"))
+    other, _ = generate(capsys, art, "--prompt", "-")
+    assert other != expected
+
+
+def test_generate_system_message_reaches_the_template(capsys, art):
+    tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+    template = jinja2.Environment().from_string((art / "chat_template.jinja").read_text())
+    system = "You are terse."
+    for extra, messages in (
+        ((), [{"role": "user", "content": PROMPT}]),
+        (
+            ("--system", system),
+            [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}],
+        ),
+    ):
+        _, err = generate(capsys, art, "--prompt", PROMPT, "--chat", *extra)
+        text = template.render(messages=messages, add_generation_prompt=True)
+        assert prompt_tokens(err) == len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def test_generate_seed_and_top_k(capsys, art):
+    greedy, _ = generate(capsys, art, "--prompt", PROMPT, "--temperature", "0")
+    sample = ("--prompt", PROMPT, "--temperature", "5")
+    a, _ = generate(capsys, art, *sample, "--seed", "1")
+    b, _ = generate(capsys, art, *sample, "--seed", "1")
+    c, _ = generate(capsys, art, *sample, "--seed", "2")
+    assert a == b and a != c and a != greedy  # the seed reproduces, and the sampling is real
+    for seed in ("1", "2"):
+        k1, _ = generate(capsys, art, *sample, "--seed", seed, "--top-k", "1")
+        assert k1 == greedy
