@@ -64,6 +64,8 @@ class CompletionStream:
         reason: FinishReason | None = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
             reason = "stop"  # the stop token itself is not part of the returned completion
+            if p.logprobs:
+                delta.stop_logprob = lp
         else:
             delta.token_ids.append(token)
             if delta.logprobs is not None and lp is not None:

@@ -44,13 +44,14 @@ from tallow.runtime.embedding_requests import (
 from tallow.runtime.engine_loop import EmbeddingFutureSink, QueueSink, StepLoop
 from tallow.runtime.grammar_masks import GrammarMasks
 from tallow.runtime.model_runner_protocol import ModelRunner
+from tallow.runtime.prompt_logprobs import PromptScoring
 from tallow.runtime.request import (
     CompletionDelta,
     EmbeddingOutput,
     EngineStats,
     Request,
     RequestOutput,
-    SchedulerOutput,
+    ScheduledItem,
     TokenLogprob,
     Usage,
 )
@@ -100,6 +101,7 @@ class Engine:
             self._table, self.scheduler, self.sampling, self.eos_token_ids
         )
         self._masks = GrammarMasks()
+        self._scoring = PromptScoring(runner, self._table)
         self._step_loop = StepLoop(
             lambda: self.run_step(), lambda: self._has_work(), lambda e: self._fail_all(e)
         )
@@ -317,16 +319,21 @@ class Engine:
             if item.sample and (st := self._table.by_seq[item.seq.seq_id]).matcher is not None
         ]
         masks = self._masks.start(constrained, self.overlap_masks)
+        # Prompt-scoring chunks need every position's logits: their own forward, first (the
+        # device sampler reads the last `forward`'s logits).
+        scored, out = self._scoring.split(out)
         try:
+            scored_logits = self._scoring.run(scored) if scored else None
             logits = self.runner.forward(out.forward_items) if out.items else None
         except Exception as e:  # noqa: BLE001 - the batch fails; the engine serves on
-            self._fail_batch(out, e)
+            self._fail_batch([*scored, *out.items], e)
             return
         finally:
             masks.join()  # never leave the worker touching matchers past here, even on failure
         row_masks, failed = masks.collect()
         self.mask_wait_s += masks.wait_s
-        self._postprocess.run(out.items, logits, row_masks, failed)
+        more = [(scored, scored_logits)] if scored else []
+        self._postprocess.run(out.items, logits, row_masks, failed, more)
 
     def _drain_inbox(self) -> None:
         for apply in self._inbox.take():
@@ -362,10 +369,10 @@ class Engine:
         for rid in list(self._table.requests):
             self._table.fail(rid, error, log_it=False)
 
-    def _fail_batch(self, out: SchedulerOutput, error: BaseException) -> None:
+    def _fail_batch(self, items: list[ScheduledItem], error: BaseException) -> None:
         """The forward raised: the requests it ran fail; the rest stay queued."""
         log.error("the forward failed: %s: %s", type(error).__name__, error, exc_info=error)
-        for rid in dict.fromkeys(item.seq.request.request_id for item in out.items):
+        for rid in dict.fromkeys(item.seq.request.request_id for item in items):
             self._table.fail(rid, error)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -374,6 +381,7 @@ class Engine:
         log.error("engine step failed: %s: %s", type(error).__name__, error, exc_info=error)
         self._table.fail_all(error)
         self._embeddings.clear()
+        self._scoring.clear()
 
     # -- sync convenience and stats ------------------------------------------------------------
 

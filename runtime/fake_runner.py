@@ -210,6 +210,21 @@ class FakeModelRunner:
         self._last_logits = out
         return out
 
+    def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        if not self.supports_generation:
+            raise RuntimeError("an embedding-only runner has no logits")
+        self._check_items(items)
+        self.forward_log.append([(sid, list(toks)) for sid, toks in items])
+        out = []
+        for sid, toks in items:
+            seq = self._seqs[sid]
+            self._append(seq, toks)
+            self.tokens_computed += len(toks)
+            history = self._history(seq)
+            start = len(history) - len(toks)
+            out.append(np.stack([self._logits(history[: start + i + 1]) for i in range(len(toks))]))
+        return out
+
     def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         if self.embedding_pooling is None:
             raise RuntimeError("this runner has no hidden-state function")

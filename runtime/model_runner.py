@@ -247,6 +247,21 @@ class TVMModelRunner:
             return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
         return DeviceLogits(logits, len(items), self.vocab_size)
 
+    def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Append each item's tokens to its sequence; float32 logits after every fed token,
+        [len(tokens), vocab] per item on the host (`batch_prefill` at every position)."""
+        if not items:
+            return []
+        if not self.supports_generation:
+            raise RuntimeError(f"{self.folder} is an embedding-only artifact: no logits")
+        lengths = [len(toks) for _, toks in items]
+        if min(lengths) < 1:
+            raise ValueError("every forward item needs at least one token")
+        total = int(sum(lengths))
+        logits = self._run(items, np.arange(total, dtype=np.int32))
+        rows = logits.numpy().reshape(total, self.vocab_size)
+        return np.split(rows, np.cumsum(lengths)[:-1])
+
     def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         """Append each item's tokens to its sequence; float32 final hidden states per item
         ([len(tokens), hidden] each), through the same paged KV cache as a prefill."""
@@ -323,8 +338,7 @@ def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int =
     try:
         for start in range(0, len(tokens), runner.prefill_chunk_size):
             chunk = tokens[start : start + runner.prefill_chunk_size]
-            logits = runner._run([(seq_id, chunk)], np.arange(len(chunk), dtype=np.int32))
-            out.append(logits.numpy().reshape(len(chunk), runner.vocab_size))
+            out += runner.forward_prompt_logits([(seq_id, chunk)])
     finally:
         runner.remove_sequence(seq_id)
     return np.concatenate(out, axis=0)

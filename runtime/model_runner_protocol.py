@@ -111,6 +111,14 @@ class ModelExecutor(Protocol):
         """
         ...
 
+    def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Like `forward` (append each item's tokens to its sequence's KV, run once), but
+        return the float32 logits after every fed token: one array [len(tokens), vocab_size]
+        per item, in item order, on the host (prompt logprobs, perplexity). Never mixed with
+        `forward` items in one call; `sample` does not apply to it.
+        """
+        ...
+
     def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
         """Append each item's tokens to its sequence's KV and run the model once.
 

@@ -55,6 +55,12 @@ class Request:
     def fair_key(self) -> str:
         return self.group if self.group is not None else self.request_id
 
+    @property
+    def scores_prompt(self) -> bool:
+        """It asks for prompt logprobs: every prompt position's logits are needed, so its
+        prefill neither skips tokens through the prefix cache nor keeps only the last row."""
+        return self.params.prompt_logprobs is not None
+
 
 @dataclass
 class SequenceState:
@@ -147,6 +153,10 @@ class CompletionDelta:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    # The stop token (EOS or a stop_token_ids entry) that ended the completion, with its
+    # logprob, when logprobs were asked for: not part of `token_ids` or `text`, but a
+    # completions client that scores prompts counts on every sampled token being reported.
+    stop_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -162,6 +172,9 @@ class RequestOutput:
     outputs: list[CompletionDelta]  # only the completions that changed this step
     finished: bool  # every completion has a finish_reason
     usage: Usage
+    # With SamplingParams.prompt_logprobs, on the request's first output: one entry per
+    # prompt token (None for the first, which nothing predicts).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

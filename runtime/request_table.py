@@ -24,6 +24,7 @@ from tallow.runtime.request import (
     Request,
     RequestOutput,
     SequenceState,
+    TokenLogprob,
     Usage,
 )
 from tallow.runtime.scheduler import Scheduler
@@ -43,6 +44,9 @@ class RequestState:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # fixed at the first sample
     num_finished: int = 0
+    # Set when the prompt's scores are complete (`prompt_logprobs.py`); sent with the next
+    # output, once.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Inbox:
@@ -125,7 +129,8 @@ class RequestTable:
         if finished:
             self.requests.pop(req.request_id, None)
             self.inbox.release(req.request_id)
-        state.sink(RequestOutput(req.request_id, deltas, finished, usage))
+        scores, state.prompt_logprobs = state.prompt_logprobs, None
+        state.sink(RequestOutput(req.request_id, deltas, finished, usage, scores))
 
     def abort(self, rid: str) -> list[SequenceState]:
         """Stop a request; its final output carries finish_reason "abort". Returns the

@@ -35,13 +35,20 @@ class SamplingParams:
     grammar: str | None = None
     # Prefill turn order among requests (`tallow.runtime.fairness`): lower goes first.
     priority: int = 0
+    # Logprobs of the prompt's own tokens, computed from every prompt position's logits at
+    # prefill (`prompt_logprobs.py`): None for none; k >= 0 for each prompt token's logprob
+    # plus the k most likely tokens at its position (the first token has none). With it,
+    # max_tokens may be 0: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name}: {why} (got {getattr(self, name)!r})")
 
-        if not 1 <= self.max_tokens <= INT32_MAX:
-            raise bad("max_tokens", f"must be between 1 and {INT32_MAX}")
+        if not 0 <= self.max_tokens <= INT32_MAX:
+            raise bad("max_tokens", f"must be between 0 and {INT32_MAX}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad("max_tokens", "0 generates nothing; it needs prompt_logprobs")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
@@ -58,6 +65,10 @@ class SamplingParams:
             raise bad("presence_penalty", "must be between -2 and 2")
         if not 0 <= self.top_logprobs <= 20:
             raise bad("top_logprobs", "must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be None or between 0 and 20")
+        if not -INT32_MAX - 1 <= self.priority <= INT32_MAX:
+            raise bad("priority", "must be a 32-bit integer")
         if self.n < 1:
             raise bad("n", "must be at least 1")
         if self.grammar is not None and (

@@ -286,8 +286,10 @@ class Scheduler:
         extra = self._outstanding_prefill_pages() + self.config.reserve_pages
         # With nothing running, only a matched entry's own pages can be in the way (it may
         # hold far more than the shared prefix): then drop the match, not the request.
+        # Embeddings and prompt scoring need every prompt token computed: no prefix match.
+        whole = s.request.embed or s.request.scores_prompt
         if not self.kv.admit(
-            s, extra, retry_without_match=not self.running, use_prefix_cache=not s.request.embed
+            s, extra, retry_without_match=not self.running, use_prefix_cache=not whole
         ):
             return False
         s.status = SequenceStatus.RUNNING

@@ -13,7 +13,8 @@ sink gets the error, its KV is freed, and every other sequence of the step carri
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,42 +54,24 @@ class StepPostprocessor:
 
     def run(
         self,
-        items: Iterable[ScheduledItem],
-        logits: np.ndarray | None,
+        items: Sequence[ScheduledItem],
+        logits: Any,
         masks: dict[int, np.ndarray] | None = None,
         failed: dict[str, BaseException] | None = None,
+        more: Sequence[tuple[Sequence[ScheduledItem], Any]] = (),
     ) -> None:
         """Sample the rows that need it and stream the results. `failed` (request id ->
-        error) collects the requests something went wrong for; they fail at the end, alone."""
+        error) collects the requests something went wrong for; they fail at the end, alone.
+        `more`: the step's other (items, logits) batches (prompt-scoring chunks, whose rows
+        come from their own forward)."""
         masks = masks or {}
         failed = {} if failed is None else failed
-        rows: list[int] = []
-        states: list[CompletionStream] = []
-        row_masks: list[np.ndarray | None] = []
         per_request: dict[str, list[CompletionDelta]] = {}
-        for row, item in enumerate(items):
-            if not item.sample:
-                continue  # a prefill chunk short of the prompt's end: its logits are unused
-            seq = item.seq
-            rid = seq.request.request_id
-            if rid in failed:
-                continue
-            try:
-                group = self._sampling_group(seq)
-                mask = masks.get(seq.seq_id)
-                for st in group:
-                    if st.matcher is not None:
-                        ended = self._grammar_end(st, mask)
-                        if ended is not None:
-                            delta = self.table.retire(st, st.finish(ended))
-                            per_request.setdefault(rid, []).append(delta)
-                            continue
-                    rows.append(row)
-                    states.append(st)
-                    row_masks.append(mask if st.matcher is not None else None)
-            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
-                failed[rid] = e
-        for st, token, lp in self._sample(logits, rows, states, row_masks, failed):
+        sampled: list[Sampled] = []
+        for batch, batch_logits in [(items, logits), *more]:
+            rows, states, row_masks = self._rows_to_sample(batch, masks, failed, per_request)
+            sampled += self._sample(batch_logits, rows, states, row_masks, failed)
+        for st, token, lp in sampled:
             rid = st.seq.request.request_id
             if rid in failed:
                 continue
@@ -103,6 +86,51 @@ class StepPostprocessor:
                 self.table.emit(self.table.requests[rid], deltas)
         for rid, error in failed.items():
             self.table.fail(rid, error)
+
+    def _rows_to_sample(
+        self,
+        items: Sequence[ScheduledItem],
+        masks: dict[int, np.ndarray],
+        failed: dict[str, BaseException],
+        per_request: dict[str, list[CompletionDelta]],
+    ) -> tuple[list[int], list[CompletionStream], list[np.ndarray | None]]:
+        """The (row, stream, mask) of every stream that samples from `items`' rows; streams
+        that end here instead (a grammar's end, max_tokens 0) are retired into
+        `per_request`."""
+        rows: list[int] = []
+        states: list[CompletionStream] = []
+        row_masks: list[np.ndarray | None] = []
+        for row, item in enumerate(items):
+            if not item.sample:
+                continue  # a prefill chunk short of the prompt's end: its logits are unused
+            seq = item.seq
+            rid = seq.request.request_id
+            if rid in failed:
+                continue
+            try:
+                group = self._sampling_group(seq)
+                mask = masks.get(seq.seq_id)
+                for st in group:
+                    ended = self._ends_unsampled(st, mask)
+                    if ended is not None:
+                        delta = self.table.retire(st, st.finish(ended))
+                        per_request.setdefault(rid, []).append(delta)
+                        continue
+                    rows.append(row)
+                    states.append(st)
+                    row_masks.append(mask if st.matcher is not None else None)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                failed[rid] = e
+        return rows, states, row_masks
+
+    def _ends_unsampled(self, st: CompletionStream, mask: np.ndarray | None) -> FinishReason | None:
+        """Why a stream ends before sampling (None: it samples): max_tokens 0 (a prompt
+        scored, nothing generated) or its grammar."""
+        if st.seq.request.params.max_tokens == 0:
+            return "length"
+        if st.matcher is not None:
+            return self._grammar_end(st, mask)
+        return None
 
     def _sampling_group(self, seq: SequenceState) -> list[CompletionStream]:
         """The streams that sample from `seq`'s row: itself, plus its n > 1 siblings at the

@@ -31,8 +31,14 @@ from .sampling_params import SamplingParams
 
 def device_can_sample(p: SamplingParams) -> bool:
     """Whether the compiled sampler covers everything `p` asks of a step."""
+    # A prompt-scoring request's first token samples from its prompt's logits on the host.
     return not (
-        p.has_penalties or p.logit_bias or p.logprobs or p.top_logprobs or p.grammar is not None
+        p.has_penalties
+        or p.logit_bias
+        or p.logprobs
+        or p.top_logprobs
+        or p.grammar is not None
+        or p.prompt_logprobs is not None
     )
 
 
