@@ -36,6 +36,7 @@ from tallow.runtime.served_model import (
 
 from .chat_output import ChatOutputOptions
 from .errors import bad_request
+from .formatters.completions import EchoedPrompt
 from .protocol import ChatMessage, CompletionRequest, _SamplingRequest
 from .protocol_chat import ChatCompletionRequest
 from .reasoning import prompt_opens_reasoning, template_has_reasoning
@@ -242,6 +243,7 @@ def sampling_params(
         top_logprobs=top_logprobs,
         n=req.n,
         grammar=request_grammar(req, model),
+        priority=req.priority or 0,
     )
 
 
@@ -353,9 +355,20 @@ def chat_inputs(
 def completion_inputs(
     req: CompletionRequest, model: ServedModel, cap: int
 ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompt ids and engine parameters. With `echo` and `logprobs` the engine scores the
+    prompt (`prompt_logprobs`); `max_tokens` 0 then generates nothing: prompt scoring, as
+    lm-evaluation-harness asks for loglikelihoods."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens 0 generates nothing; it is allowed only with echo (to return or "
+            "score the prompt)",
+            "max_tokens",
+        )
     prompts = completion_prompts(req, model)
-    params = [
-        sampling_params(
+    scored = req.echo and req.logprobs is not None
+    params = []
+    for ids in prompts:
+        p = sampling_params(
             req,
             len(ids),
             model,
@@ -366,6 +379,18 @@ def completion_inputs(
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs or 0,
         )
-        for ids in prompts
-    ]
+        if scored:
+            p.prompt_logprobs = req.logprobs
+        params.append(p)
     return prompts, params
+
+
+def echoed_prompts(
+    req: CompletionRequest, model: ServedModel, prompts: list[list[int]]
+) -> list[EchoedPrompt]:
+    """What `echo` puts before each choice: a text prompt as sent, ids decoded."""
+    p = req.prompt
+    texts = [p] if isinstance(p, str) else list(p) if isinstance(p[0], str) else None
+    if texts is None:
+        texts = [model.decode(ids) for ids in prompts]
+    return [EchoedPrompt(t, ids) for t, ids in zip(texts, prompts, strict=True)]  # type: ignore[arg-type]

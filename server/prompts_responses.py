@@ -138,6 +138,7 @@ def as_chat_request(req: ResponseCreateRequest) -> ChatCompletionRequest:
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
+        priority=req.priority,
         tools=tools or None,
         tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls,

@@ -33,6 +33,7 @@ TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 class _Strict(BaseModel):
@@ -131,6 +132,9 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's extension: the order in which waiting requests start (their prefill turns);
+    # lower first, 0 by default.
+    priority: Priority | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -144,8 +148,10 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class CompletionRequest(_SamplingRequest):
     # A string, a batch of strings, one token-id prompt, or a batch of token-id prompts.
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | list[TokenIds]
+    # 0 only with echo: the prompt is returned (and scored, with logprobs), nothing generated.
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = False  # echoing the prompt is not supported; say so instead of ignoring
+    echo: bool = False  # the prompt before each choice's text (and in its logprobs)
 
 
 class TokenizeRequest(_Strict):
@@ -192,12 +198,13 @@ class ErrorResponse(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with echo, the
+    prompt's tokens first; the first has null logprobs: nothing predicts it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]  # where each token's text starts in the completion
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text
 
 
 class CompletionChoice(BaseModel):

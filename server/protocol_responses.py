@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from .protocol import MAX_TOOLS, Seed, Temperature, TopP
+from .protocol import MAX_TOOLS, Priority, Seed, Temperature, TopP
 
 MAX_METADATA = 16
 
@@ -181,6 +181,7 @@ class ResponseCreateRequest(_Strict):
     # tallow's extensions, as on the chat route
     seed: Seed | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    priority: Priority | None = None  # lower starts first (see the chat route)
 
 
 # -- response ----------------------------------------------------------------------------------

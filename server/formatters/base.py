@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from tallow.runtime.request import TokenLogprob
+from tallow.runtime.request import CompletionDelta, TokenLogprob
 from tallow.runtime.served_model import ServedModel
 
 from ..errors import APIError
@@ -33,6 +33,12 @@ class FinishedChoice:
     text: str
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
+    prompt: int = 0  # which of the request's prompts it continues
+    prompt_logprobs: PromptLogprobs = None  # when the request asked for them
+
+
+# The engine's scores of a prompt's tokens (None for the first), or None when not asked for.
+PromptLogprobs = list[TokenLogprob | None] | None
 
 
 @dataclass
@@ -83,20 +89,35 @@ class ResponseFormatter(ABC):
         """Chunks sent before any output (none unless the shape needs them)."""
         return []
 
+    def choice_opening(
+        self, job: Job, index: int, prompt: int, prompt_logprobs: PromptLogprobs
+    ) -> tuple[BaseModel | None, int]:
+        """A chunk sent before a choice's first output, and the length of the text it
+        carries (nothing by default; /v1/completions' echo sends the prompt)."""
+        return None, 0
+
+    def delta_logprobs(self, delta: CompletionDelta) -> list[TokenLogprob] | None:
+        """The logprobs a delta reports (the completions shape adds the stop token's)."""
+        return delta.logprobs
+
     # -- shared machinery ----------------------------------------------------------------------
 
     async def collect(self, job: Job) -> BaseModel:
         """Run a job to the end and build the non-streaming response body."""
         gathered: dict[int, _Gathered] = {}
+        scores: dict[int, PromptLogprobs] = {}  # by prompt
         want_logprobs = False
         try:
             async for p, out in job.outputs():
+                if out.prompt_logprobs is not None:
+                    scores[p] = out.prompt_logprobs
                 for d in out.outputs:
                     g = gathered.setdefault(p * job.n + d.index, _Gathered())
                     g.text.append(d.text)
-                    if d.logprobs is not None:
+                    lps = self.delta_logprobs(d)
+                    if lps is not None:
                         want_logprobs = True
-                        g.logprobs += d.logprobs
+                        g.logprobs += lps
                     g.finish_reason = d.finish_reason or g.finish_reason
         except APIError:
             raise
@@ -110,6 +131,8 @@ class ResponseFormatter(ABC):
                 text="".join(g.text),
                 logprobs=g.logprobs if want_logprobs else None,
                 finish_reason=g.finish_reason,
+                prompt=idx // job.n,
+                prompt_logprobs=scores.get(idx // job.n),
             )
             for idx, g in sorted(gathered.items())
         ]
@@ -125,13 +148,21 @@ class ResponseFormatter(ABC):
         for chunk in self.opening_chunks(job, num_choices):
             yield event(chunk)
         offsets: dict[int, int] = {}
+        scores: dict[int, PromptLogprobs] = {}  # by prompt
         try:
             async for p, out in job.outputs():
+                if out.prompt_logprobs is not None:
+                    scores[p] = out.prompt_logprobs
                 for d in out.outputs:
                     idx = p * job.n + d.index
-                    offset = offsets.get(idx, 0)
+                    if idx not in offsets:
+                        opening, offsets[idx] = self.choice_opening(job, idx, p, scores.get(p))
+                        if opening is not None:
+                            yield event(opening)
+                    offset = offsets[idx]
                     offsets[idx] = offset + len(d.text)
-                    chunk = self.delta_chunk(job, idx, d.text, d.logprobs, offset, d.finish_reason)
+                    lps = self.delta_logprobs(d)
+                    chunk = self.delta_chunk(job, idx, d.text, lps, offset, d.finish_reason)
                     yield event(chunk)
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end cleanly
             if isinstance(e, APIError):  # e.g. the drain ran out of time: shutting_down

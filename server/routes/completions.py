@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from ..context import Context, json_body
 from ..formatters import CompletionFormatter
 from ..generation import generate_response
-from ..prompts import completion_inputs
+from ..prompts import completion_inputs, echoed_prompts
 from ..protocol import CompletionRequest, CompletionResponse
 
 router = APIRouter()
@@ -24,10 +24,14 @@ async def completions(
 ) -> Response:
     context.check_model(req.model)
     prompts, params = completion_inputs(req, context.model, context.options.max_tokens_cap)
+    echo = echoed_prompts(req, context.model, prompts) if req.echo else None
+    formatter = CompletionFormatter(
+        context.model, context.model_name, echo, with_logprobs=req.logprobs is not None
+    )
     return await generate_response(
         request,
         context,
-        CompletionFormatter(context.model, context.model_name),
+        formatter,
         prompts,
         params,
         stream=req.stream,
