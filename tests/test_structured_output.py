@@ -320,22 +320,6 @@ def test_dead_end_grammar_finishes_with_grammar_error(client, stream):
 # -- the real model --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2_artifact(tmp_path_factory):
-    import os
-    from pathlib import Path
-
-    ready = os.environ.get("TALLOW_SMOLLM2_ARTIFACT")
-    if ready:
-        return Path(ready)
-    from tallow.cli.main import main
-
-    out = tmp_path_factory.mktemp("smollm2")
-    assert main(["compile", "--model", "default", "--output", str(out), "--quiet"]) == 0
-    (art,) = out.iterdir()
-    return art
-
-
 @pytest.mark.slow
 def test_smollm2_answers_json_schema(smollm2_artifact):
     from server_helpers import start_server
