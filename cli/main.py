@@ -180,7 +180,7 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (default: see above)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("TALLOW_API_KEY"),
@@ -360,8 +360,7 @@ def _run_serve(args) -> int:
         request_timeout=args.request_timeout,
     )
     name = args.served_model_name or Path(folder).resolve().name
-    print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    return serve(engine, name, options, args.host, args.port)
+    return serve(engine, name, options, args.host, args.port)  # says "serving ..." once bound
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

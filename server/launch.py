@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -88,6 +89,17 @@ class DrainingServer(uvicorn.Server):
         self.tallow_engine = app.state.context.engine
         self.shutdown_timeout = shutdown_timeout
         self.drain_timed_out = False
+        self.announce: Callable[[int], None] | None = None  # told the port once listening
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.announce is not None:
+            self.announce(self.bound_port)
+
+    @property
+    def bound_port(self) -> int:
+        """The port the listener got (the one asked for, or the kernel's pick for port 0)."""
+        return int(self.servers[0].sockets[0].getsockname()[1])
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.tallow_state.draining = True
@@ -156,9 +168,15 @@ def make_server(app: FastAPI, host: str, port: int, options: ServerOptions) -> D
 
 def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port: int) -> int:
     """Serve until a signal; the exit status: 0 after a complete drain, 1 when requests had
-    to be cut off at the shutdown timeout."""
+    to be cut off at the shutdown timeout. Once listening it prints `serving NAME on URL` to
+    stderr, with the port it got (port 0: a free one the kernel picks)."""
     options = dataclasses.replace(options, host=host)  # the Host check allows the bind address
     app = create_app(engine, model_name, options)
     server = make_server(app, host, port, options)
+
+    def announce(bound: int) -> None:
+        print(f"serving {model_name} on http://{host}:{bound}", file=sys.stderr, flush=True)
+
+    server.announce = announce
     server.run()
     return 1 if server.drain_timed_out else 0

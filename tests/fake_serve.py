@@ -1,7 +1,8 @@
 """`python tests/fake_serve.py PORT SHUTDOWN_TIMEOUT STEP_DELAY [REQUEST_TIMEOUT]`: the real
 server launcher (`tallow.server.launch.serve`, signals and all) over the fake runner, whose
 every step sleeps STEP_DELAY seconds; exits with `serve`'s status. For tests that need a
-process to send SIGTERM to without compiling a model."""
+process to send SIGTERM to without compiling a model. PORT 0 takes a free port; the launcher
+prints `serving fake on URL` once it listens (`server_helpers.start_process` reads it)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ def main(argv: list[str]) -> int:
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
     )
     options = ServerOptions(shutdown_timeout=shutdown_timeout, request_timeout=request_timeout)
-    print(f"serving {MODEL} on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
     return serve(engine, MODEL, options, "127.0.0.1", port)
 
 

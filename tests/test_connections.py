@@ -19,15 +19,40 @@ from tallow.runtime.scheduler import SchedulerConfig
 from tallow.server.app import ServerOptions
 
 TIMEOUT = 1.0
+PATIENT_TIMEOUT = 10.0
+
+
+def _serve(request_timeout: float):
+    runner = FakeModelRunner(vocab_size=101, context_window=256, num_pages=64)
+    engine = Engine(runner, tokenizer=word_tokenizer(), scheduler_config=SchedulerConfig())
+    return serve_engine(engine, ServerOptions(request_timeout=request_timeout, shutdown_timeout=5))
 
 
 @pytest.fixture
 def server():
-    runner = FakeModelRunner(vocab_size=101, context_window=256, num_pages=64)
-    engine = Engine(runner, tokenizer=word_tokenizer(), scheduler_config=SchedulerConfig())
-    s = serve_engine(engine, ServerOptions(request_timeout=TIMEOUT, shutdown_timeout=5))
+    s = _serve(TIMEOUT)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def patient_server():
+    """A timeout far from the slow client's pauses, whatever the machine's load."""
+    s = _serve(PATIENT_TIMEOUT)
+    yield s
+    s.stop()
+
+
+def _wait_for(condition, what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _requests_in_progress(server) -> int:
+    """Requests the server is running the app for (uvicorn's tasks, one per request)."""
+    return len(server._server.server_state.tasks)
 
 
 def _connect(base: str) -> socket.socket:
@@ -84,12 +109,12 @@ def test_half_sent_requests_are_closed(server):
     _normal_request_works(server.base_url)
 
 
-def test_a_slow_but_steady_request_within_the_timeout_is_served(server):
-    s = _connect(server.base_url)
+def test_a_slow_but_steady_request_within_the_timeout_is_served(patient_server):
+    s = _connect(patient_server.base_url)
     body = b'{"model":"tiny","prompt":"w1","max_tokens":2,"temperature":0.0}'
     try:
         s.sendall(HEAD + f"Content-Length: {len(body)}\r\n\r\n".encode())
-        time.sleep(TIMEOUT / 3)
+        time.sleep(1.0)  # a pause longer than the other tests' whole timeout
         s.sendall(body)
         s.settimeout(5)
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
@@ -98,14 +123,19 @@ def test_a_slow_but_steady_request_within_the_timeout_is_served(server):
 
 
 def test_client_leaving_mid_upload_is_one_info_line(server, caplog):
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "left while sending" in r.getMessage()]
+
     with caplog.at_level(logging.INFO):
         s = _connect(server.base_url)
         s.sendall(HEAD + b"Content-Length: 5000\r\n\r\n" + b'{"model": "tiny", "prompt": "')
-        time.sleep(0.2)
+        # The app is reading the body (not a fixed sleep: on a loaded machine it may not be).
+        _wait_for(lambda: _requests_in_progress(server) == 1, "the request never started")
         s.close()
-        time.sleep(0.5)
+        _wait_for(lambda: logged(), "the client leaving was not logged")
+        _wait_for(lambda: _requests_in_progress(server) == 0, "the request never ended")
     text = caplog.text
     assert "Exception in ASGI application" not in text and "Traceback" not in text
-    lines = [r for r in caplog.records if "left while sending" in r.getMessage()]
+    lines = logged()
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     _normal_request_works(server.base_url)

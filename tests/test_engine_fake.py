@@ -214,7 +214,9 @@ def test_abort_mid_decode_and_on_client_disconnect():
         gen = engine.add_request(prompt(20, 2), greedy(100), request_id="b")
         await gen.__anext__()
         await gen.aclose()
+        deadline = asyncio.get_running_loop().time() + 10
         while engine.stats().num_running or engine.stats().num_waiting:
+            assert asyncio.get_running_loop().time() < deadline, "the abort never took effect"
             await asyncio.sleep(0.001)
         await engine.shutdown()
         return engine, free0, seen

@@ -58,6 +58,7 @@ def run(big: bool, small_after: int | None, small_group: str | None = None):
     small_sink: list = []
     steps, first = 0, None
     while engine._has_work() or (small_after is not None and not small_sink and first is None):
+        assert steps < 10_000, "the engine never finished"
         if small_after is not None and steps == small_after:
             engine.submit(SMALL, PARAMS, small_sink.append, request_id="small", group=small_group)
         engine.run_step()

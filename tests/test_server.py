@@ -5,16 +5,23 @@ but deterministic under greedy decoding)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
+import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, free_port, metric, start_server, start_subprocess  # noqa: I001
+from server_helpers import (  # noqa: I001
+    MODEL,
+    ForwardGate,
+    metric,
+    start_server,
+    start_subprocess,
+    wait_until_draining,
+)
 
 from tallow.server.app import ServerOptions
 from tallow.server.context import ServerState
@@ -297,21 +304,43 @@ def test_disconnect_frees_kv(server, client):
     client.completions.create(prompt="Disconnect me", **extra(max_tokens=2))  # warm prefix cache
     idle = metric(server.base_url, "tallow_kv_cache_pages_used", AUTH)
     url = f"{server.base_url}/v1/completions"
-    for i in range(20):
-        if i % 2:
-            with httpx.stream("POST", url, headers=AUTH, json=body, timeout=30) as r:
-                next(r.iter_lines())  # one event, then hang up mid-stream
-        else:  # non-streaming: give up while the request runs
-            with contextlib.suppress(httpx.ReadTimeout):  # (unless it was faster still)
-                httpx.post(url, headers=AUTH, json={**body, "stream": False}, timeout=0.05)
+    host, port = server.base_url.removeprefix("http://").split(":")
+    raw = json.dumps({**body, "stream": False}).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    ).encode() + raw
+    gate = ForwardGate(server.engine.runner)
+    try:
+        for i in range(10):
+            if i % 2:  # streaming: hang up after the first event, a decode step held
+                gate.hold_after(1)
+                with httpx.stream("POST", url, headers=AUTH, json=body, timeout=30) as r:
+                    # Keep the line iterator referenced: a dropped one is closed whenever the
+                    # garbage collector gets to it, and with it the connection.
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data: {")
+                    gate.wait_held()
+            else:  # non-streaming: leave while the prefill is held
+                gate.hold_after(0)
+                with socket.create_connection((host, int(port)), timeout=10) as sock:
+                    sock.sendall(request)
+                    gate.wait_held()
+            # The server notices the client left and ends the request before the step ends.
+            deadline = time.monotonic() + 10
+            while metric(server.base_url, "tallow_server_requests_in_flight", AUTH) != 0:
+                assert time.monotonic() < deadline, "a request outlived its client"
+                time.sleep(0.02)
+            gate.open()
+    finally:
+        gate.remove()
     deadline = time.monotonic() + 10
     while metric(server.base_url, "tallow_kv_cache_pages_used", AUTH) != idle:
         assert time.monotonic() < deadline, "KV pages were not freed after disconnects"
         time.sleep(0.05)
-    assert metric(server.base_url, "tallow_server_requests_in_flight", AUTH) == 0
-    t0 = time.monotonic()
-    client.completions.create(prompt="after", **extra(max_tokens=4))
-    assert time.monotonic() - t0 < 1.0
+    assert server.engine.stats().num_running == 0 and server.engine.stats().num_waiting == 0
+    r = client.completions.create(prompt="after", **extra(max_tokens=4))
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
 
 
 def test_queue_full_gives_429(artifact):
@@ -330,7 +359,8 @@ def test_queue_full_gives_429(artifact):
     body = {**greedy(max_tokens=20), "prompt": "Long one"}
     try:
         with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as first:
-            next(first.iter_lines())  # it is running, holding the only slot
+            first_lines = first.iter_lines()  # referenced: a dropped iterator closes the stream
+            next(first_lines)  # it is running, holding the only slot
             waiter = threading.Thread(target=lambda: httpx.post(url, json=body, timeout=30))
             waiter.start()
             deadline = time.monotonic() + 10
@@ -355,22 +385,21 @@ def test_queue_full_gives_429(artifact):
 
 def test_sigterm_drains_in_flight(artifact):
     """SIGTERM while a stream is in flight: the stream runs to its full length, new work is
-    refused, and the process exits 0."""
-    port = free_port()
-    proc = start_subprocess(
-        artifact, port, "--max-num-seqs", "1", "--kv-cache-mem", "4", "--shutdown-timeout", "20"
+    refused with 503 (the listener stays open while draining), and the process exits 0."""
+    server = start_subprocess(
+        artifact, "--max-num-seqs", "1", "--kv-cache-mem", "4", "--shutdown-timeout", "20"
     )
-    base = f"http://127.0.0.1:{port}"
+    proc, base = server.proc, server.base_url
     try:
         long = {**greedy(max_tokens=200), "prompt": "Long one", "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=60) as r:
             lines = r.iter_lines()
             first = next(lines)  # the request is being generated now
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-            # New work is refused: 503 while the port is open, or the port is already closed.
-            with contextlib.suppress(httpx.TransportError):
-                assert httpx.post(f"{base}/v1/completions", json=long).status_code == 503
+            wait_until_draining(base)
+            refused = httpx.post(f"{base}/v1/completions", json=long, timeout=10)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "shutting_down"
             text = first + "".join(lines)
         assert text.endswith("data: [DONE]"), text[-200:]
         assert '"finish_reason":"length"' in text  # all 200 tokens, not cut by the shutdown
