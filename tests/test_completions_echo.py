@@ -201,3 +201,31 @@ def test_a_higher_priority_request_is_served_first(live):
         runner.forward = real
         engine.scheduler.max_num_seqs = saved
     assert started == ["first one", "late urgent", "late default", "late low"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_priority_on_chat_and_responses(live, route):
+    server = live[0]
+    url = f"{server.base_url}{route}"
+    if route.endswith("responses"):
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    engine = server.engine
+    seen: list[int] = []
+    real = engine.add_request
+
+    def recording(prompt, params, *args, **kw):
+        seen.append(params.priority)
+        return real(prompt, params, *args, **kw)
+
+    engine.add_request = recording
+    try:
+        assert httpx.post(url, json={**body, "priority": -7}, timeout=10).status_code == 200
+        assert httpx.post(url, json=body, timeout=10).status_code == 200
+    finally:
+        del engine.add_request
+    assert seen == [-7, 0]  # what reaches the engine
+    for bad in (2**31, "1", 1.5):
+        r = httpx.post(url, json={**body, "priority": bad}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
