@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from tallow.cli.eval import add_eval_parser, run_eval
 from tallow.runtime.errors import TallowError
 
 
@@ -244,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compile(sub)
+    add_eval_parser(sub)
     _add_generate(sub)
     _add_inspect(sub)
     _add_serve(sub)
@@ -376,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = {
         "compile": _run_compile,
+        "eval": run_eval,
         "generate": _run_generate,
         "inspect": _run_inspect,
         "serve": _run_serve,

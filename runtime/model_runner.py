@@ -316,15 +316,25 @@ class TVMModelRunner:
         return logits
 
 
-def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int = 0) -> np.ndarray:
-    """Float32 logits after every token of `tokens` (for perplexity), chunk by chunk."""
+def all_position_logits(
+    runner: TVMModelRunner, tokens: list[int], seq_id: int = 0, start: int = 0
+) -> np.ndarray:
+    """Float32 logits after every token of `tokens[start:]` (for perplexity), chunk by chunk.
+
+    The tokens before `start` are context only: they run through the model, but no logits are
+    computed for them (`tallow eval` scores the second half of each window)."""
     runner.add_sequence(seq_id)
     out = []
     try:
-        for start in range(0, len(tokens), runner.prefill_chunk_size):
-            chunk = tokens[start : start + runner.prefill_chunk_size]
-            logits = runner._run([(seq_id, chunk)], np.arange(len(chunk), dtype=np.int32))
-            out.append(logits.numpy().reshape(len(chunk), runner.vocab_size))
+        for begin in range(0, len(tokens), runner.prefill_chunk_size):
+            chunk = tokens[begin : begin + runner.prefill_chunk_size]
+            first = min(max(0, start - begin), len(chunk) - 1)  # the kernels need one position
+            positions = np.arange(first, len(chunk), dtype=np.int32)
+            logits = runner._run([(seq_id, chunk)], positions)
+            if begin + len(chunk) > start:
+                out.append(logits.numpy().reshape(len(positions), runner.vocab_size))
     finally:
         runner.remove_sequence(seq_id)
+    if not out:
+        return np.zeros((0, runner.vocab_size), dtype=np.float32)
     return np.concatenate(out, axis=0)
