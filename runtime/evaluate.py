@@ -1,8 +1,8 @@
 """How well a compiled model predicts a text, alone or against a reference artifact.
 
-Windows follow llama.cpp's `llama-perplexity`, so figures compare with its on the same text
-and tokenizer: the tokens are cut into consecutive, non-overlapping windows of `context`
-tokens (a tail shorter than a window is dropped), each window runs from an empty KV cache,
+Windows follow llama.cpp's `llama-perplexity`, so the figures compare with llama.cpp's on
+the same text and tokenizer: the tokens are cut into consecutive, non-overlapping windows of
+`context` tokens (a tail shorter than a window is dropped), each window runs from an empty KV cache,
 and only its second half is scored: the logits after tokens `first .. context-2`
 (`first = context // 2`) predict tokens `first+1 .. context-1`, so every scored token has at
 least half a window before it. When the tokenizer adds BOS, the token stream starts with BOS
