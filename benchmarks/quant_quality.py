@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import os
 import re
 import sys
 import tempfile
@@ -98,11 +99,22 @@ def llama_cpp_quantize(source: Path, ftype: str, out: Path) -> Path:
     params.allow_requantize = True
     params.nthread = 2
     dst = out / f"llama-cpp-{ftype}.gguf"
-    rc = llama_cpp.llama_model_quantize(
-        str(source).encode(), str(dst).encode(), ctypes.byref(params)
-    )
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize to {ftype} failed ({rc})")
+    # llama.cpp logs every tensor to fd 2: kept in a file, shown only when it fails.
+    with tempfile.TemporaryFile() as log:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(
+                str(source).encode(), str(dst).encode(), ctypes.byref(params)
+            )
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if rc != 0:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"llama_model_quantize to {ftype} failed ({rc}):\n{tail}")
     return dst
 
 
