@@ -22,6 +22,16 @@ def quant_format_names() -> tuple[str, ...]:
     return quant_choices()
 
 
+def _artifact(value: str):
+    """argparse type of an artifact argument: a folder, or hf://org/repo[@revision]."""
+    from tallow.cli.hub import artifact_arg
+
+    return artifact_arg(value)
+
+
+_ARTIFACT_HELP = "artifact folder written by `tallow compile`, or hf://org/repo[@revision]"
+
+
 class _FormatList:
     """`--quant`'s names for its help text, read from the quant format registry only when
     the help is shown: the compile-side modules stay unimported for the other commands."""
@@ -134,7 +144,7 @@ def _add_generate(sub) -> None:
             "as it is produced; token counts and speed go to stderr."
         ),
     )
-    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="with --chat: a system message")
@@ -150,7 +160,7 @@ def _add_generate(sub) -> None:
 
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="print an artifact's manifest")
-    p.add_argument("artifact", type=Path)
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
 def _add_verify(sub) -> None:
@@ -164,7 +174,7 @@ def _add_verify(sub) -> None:
             "before checksums were recorded."
         ),
     )
-    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
 def _add_serve(sub) -> None:
@@ -178,7 +188,9 @@ def _add_serve(sub) -> None:
             "once (cached under artifacts/) and served."
         ),
     )
-    p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (default: see above)")
+    p.add_argument(
+        "artifact", type=_artifact, nargs="?", help=_ARTIFACT_HELP + " (default: see above)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument(
@@ -248,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_serve(sub)
     _add_verify(sub)
+    from tallow.cli.hub import add_push
+
+    add_push(sub)
     return parser
 
 
@@ -277,22 +292,27 @@ def _run_compile(args) -> int:
 
 def _run_generate(args) -> int:
     from tallow.cli.generate import run_generate
+    from tallow.cli.hub import artifact_folder
 
+    args.artifact = artifact_folder(args.artifact, args.device)
     return run_generate(args)
 
 
 def _run_inspect(args) -> int:
+    from tallow.cli.hub import manifest_folder
     from tallow.runtime.manifest import Manifest
 
-    sys.stdout.write(Manifest.read(args.artifact).to_yaml())
+    sys.stdout.write(Manifest.read(manifest_folder(args.artifact)).to_yaml())
     return 0
 
 
 def _run_verify(args) -> int:
+    from tallow.cli.hub import whole_artifact_folder
     from tallow.runtime.integrity import verify
     from tallow.runtime.manifest import Manifest
 
-    manifest = Manifest.read(args.artifact)
+    folder = whole_artifact_folder(args.artifact)  # hf://: downloaded, checked below
+    manifest = Manifest.read(folder)
     if manifest.checksums is None:
         print(
             f"{args.artifact}: no checksums recorded (compiled by an older tallow); "
@@ -300,7 +320,7 @@ def _run_verify(args) -> int:
             file=sys.stderr,
         )
         return 1
-    results = verify(args.artifact, manifest.checksums)
+    results = verify(folder, manifest.checksums)
     bad = [(name, problem) for name, problem in results if problem is not None]
     for name, problem in results:
         print(f"{'ok ' if problem is None else 'BAD'} {name}" + (f": {problem}" if problem else ""))
@@ -310,6 +330,12 @@ def _run_verify(args) -> int:
         return 1
     print(f"{args.artifact}: {len(results)} files verified", file=sys.stderr)
     return 0
+
+
+def _run_push(args) -> int:
+    from tallow.cli.hub import run_push
+
+    return run_push(args)
 
 
 _DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
@@ -326,6 +352,10 @@ def _run_serve(args) -> int:
             print(f"compiling the default model into {folder} (once)", file=sys.stderr)
             options = CompileOptions(model="default", output=folder.parent, name=folder.name)
             folder = Path(compile_model(options))
+    else:
+        from tallow.cli.hub import artifact_folder
+
+        folder = artifact_folder(args.artifact, args.device)
     # Otherwise the server needs only TVM's runtime library, not the compiler stack.
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from tallow.runtime.engine_factory import EngineOptions, build_engine
@@ -359,9 +389,15 @@ def _run_serve(args) -> int:
         allowed_origins=_comma_list(args.allowed_origins),
         request_timeout=args.request_timeout,
     )
-    name = args.served_model_name or Path(folder).resolve().name
+    name = args.served_model_name or _served_name(args.artifact, folder)
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     return serve(engine, name, options, args.host, args.port)
+
+
+def _served_name(spec, folder: Path) -> str:
+    from tallow.cli.hub import served_name
+
+    return served_name(spec, folder)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:
@@ -380,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": _run_inspect,
         "serve": _run_serve,
         "verify": _run_verify,
+        "push": _run_push,
     }
     try:
         return commands[args.command](args)

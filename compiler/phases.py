@@ -204,12 +204,12 @@ def write_manifest(state: CompileState) -> str:
 
 
 def _artifact_checksums(state: CompileState) -> dict:
-    """Size and sha256 of the weight shards, tokenizer files and chat template (see
-    `runtime.integrity`). Not the library: its bytes differ from one build to the next, and
-    the manifest stays byte-identical across compiles of the same input."""
+    """Size and sha256 of every file: weight shards, tokenizer files, chat template and the
+    library (see `runtime.integrity`). The library's bytes differ from one build to the next,
+    so only its entry differs between compiles of the same input."""
     info = state.tokenizer_info
     shards = {p.shard for p in state.param_infos}
-    names = {*shards, *info.files}
+    names = {*shards, *info.files, state.target.library_name}
     if info.chat_template:
         names.add(info.chat_template)
     names = {n for n in names if (state.work_dir / n).is_file()}
