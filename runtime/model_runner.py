@@ -141,7 +141,11 @@ class TVMModelRunner:
         self._tvm = tvm
         self.device = open_device(tvm, self.device_kind, index, _built_for(self.manifest))
         try:
-            lib = tvm.runtime.load_module(str(_library_path(self.folder, self.manifest)))
+            # tvm_ffi's loader, not tvm.runtime.load_module: that one resolves symlinks and
+            # takes the format from the target's suffix, which a hub cache's blob lacks.
+            import tvm_ffi
+
+            lib = tvm_ffi.load_module(str(_library_path(self.folder, self.manifest)))
         except Exception as e:  # TVM raises its own error types
             raise ArtifactError(f"cannot load {self.manifest.library}: {e}") from e
         self.vm = tvm_vm.VirtualMachine(lib, self.device)
