@@ -55,6 +55,7 @@ class _QuantOption(argparse.Action):
 def _add_compile(sub) -> None:
     # The registry of compile targets; importing it loads no TVM (backends import it lazily).
     from tallow.compiler.backends import BACKENDS
+    from tallow.compiler.cpu_levels import CPU_CHOICES
 
     p = sub.add_parser(
         "compile",
@@ -68,8 +69,8 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--model",
-        required=True,
-        help="a local model folder, a .gguf file, a hub id such as Qwen/Qwen3-0.6B, or 'default'",
+        help="a local model folder, a .gguf file, a hub id such as Qwen/Qwen3-0.6B, or 'default' "
+        "(required unless --add-target, which defaults to the artifact's source)",
     )
     p.add_argument(
         "--file",
@@ -78,9 +79,26 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--target",
-        default="cpu",
+        action="append",
         choices=list(BACKENDS),
-        help="compile target (default cpu)",
+        help="compile target (default cpu); repeat for one artifact with a library per target "
+        "sharing one copy of the weights",
+    )
+    p.add_argument(
+        "--cpu",
+        action="append",
+        choices=CPU_CHOICES,
+        metavar="LEVEL",
+        help="with --target cpu: the CPUs the library runs on: native (this machine's CPU, the "
+        f"default), {', '.join(CPU_CHOICES[1:])}; repeat for one library per level "
+        "(the runtime loads the best one the running CPU supports)",
+    )
+    p.add_argument(
+        "--add-target",
+        type=Path,
+        metavar="ARTIFACT",
+        help="add the --target libraries to this existing artifact; its weights are not "
+        "rewritten (the model source is read for its config only)",
     )
     p.add_argument(
         "--sm",
@@ -154,8 +172,17 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    _add_device(p)
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+
+
+def _add_device(p) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
+        "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
+    )
 
 
 def _add_inspect(sub) -> None:
@@ -244,7 +271,7 @@ def _add_serve(sub) -> None:
         default=30.0,
         help="seconds a client gets to send a whole request, headers and body (default 30)",
     )
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    _add_device(p)
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
 
@@ -269,11 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_compile(args) -> int:
     from tallow.compiler.pipeline import CompileOptions, compile_model
 
+    if args.add_target is not None:
+        from tallow.compiler.add_target import add_targets
+
+        print(add_targets(args.add_target, _add_target_options(args)))
+        return 0
+    if not args.model:
+        raise TallowError("compile needs --model (or --add-target ARTIFACT)")
     out = compile_model(
         CompileOptions(
             model=args.model,
             gguf_file=args.gguf_file,
-            target=args.target,
+            target=args.target or ["cpu"],
+            cpu=args.cpu,
             sms=args.sms,
             dtype=args.dtype,
             quant=args.quant,
@@ -288,6 +323,23 @@ def _run_compile(args) -> int:
     )
     print(out)
     return 0
+
+
+def _add_target_options(args):
+    """What `--add-target` takes from the command line; the rest comes from the manifest."""
+    from tallow.compiler.add_target import AddTargetOptions
+
+    if not args.target:
+        raise TallowError("--add-target needs at least one --target")
+    return AddTargetOptions(
+        targets=args.target,
+        cpu=args.cpu,
+        sms=args.sms,
+        model=args.model,
+        gguf_file=args.gguf_file,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
+    )
 
 
 def _run_generate(args) -> int:

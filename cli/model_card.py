@@ -26,20 +26,11 @@ def source_hub_id(manifest: Manifest) -> str | None:
 
 def target_rows(manifest: Manifest) -> list[tuple[str, str]]:
     """(library file, what it runs on) for each library of the artifact."""
-    target = manifest.target
-    details = target.details or {}
-    archs = details.get("archs") or ([details["arch"]] if details.get("arch") else [])
-    tvm = target.tvm_target or {}
-    what = [target.kind, *archs]
-    if target.kind == "cpu" and tvm.get("mcpu"):
-        what.append(f"built for {tvm['mcpu']}")
-    if target.host and target.host.get("mtriple"):
-        what.append(target.host["mtriple"])
-    return [(manifest.library, " ".join(str(w) for w in what))]
+    return [(lib.file, f"{lib.target} ({lib.platform})") for lib in manifest.libraries]
 
 
 def card_tags(manifest: Manifest) -> list[str]:
-    kinds = sorted({row[1].split()[0] for row in target_rows(manifest)})
+    kinds = sorted({lib.device for lib in manifest.libraries})
     return ["tallow", "tvm", manifest.quantization, *kinds, manifest.model.architecture]
 
 

@@ -81,7 +81,7 @@ class DeviceKind:
     single_sequence_decode: bool
     # The runner sizes TVM's CPU thread pool before the first kernel (cpu_threads.py).
     sets_cpu_threads: bool
-    # Key of `manifest.target.details` whose `max_batch_size` bounds the runner's batch
+    # Key of the loaded library's `details` whose `max_batch_size` bounds the runner's batch
     # (CUDA graphs plan batch_decode's memory for a bounded batch), or None.
     batch_bound_detail: str | None = None
     # Loads what TVM needs before the device exists (the CUDA device API), or None.

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .errors import ArtifactError
 from .integrity import MISSING, FileChecksum, sha256_file, size_problem
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, LibraryInfo, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +79,18 @@ def everything(manifest: Manifest) -> list[str]:
     return sorted(manifest.checksums or {})
 
 
-def library_for_device(manifest: Manifest, device: str | None) -> str:
-    """The library a load on `device` (None: this machine's choice) will run."""
-    from .artifact import parse_device  # numpy and safetensors: only when pulling
+def library_for_device(manifest: Manifest, device: str | None) -> LibraryInfo:
+    """The library a load on `device` (None or `auto`: this machine's choice) will run: the
+    runtime's own choice (`library_select`), made before anything else is downloaded."""
+    from .library_select import choose_library
 
-    parse_device(device, manifest)  # an explicit device the artifact cannot serve fails here
-    return manifest.library
+    return choose_library(manifest, device).library
 
 
 def files_for_device(device: str | None) -> FileChooser:
     """What serving or generating on `device` reads: the weights, the tokenizer, the chat
     template and the one library chosen for this machine."""
-    from .artifact import runtime_files
+    from .artifact import runtime_files  # numpy and safetensors: only when pulling
 
     return lambda manifest: runtime_files(manifest, library_for_device(manifest, device))
 

@@ -49,10 +49,11 @@ def test_manifest_records_every_file(art):
     m = Manifest.read(art)
     assert m.checksums is not None
     shards = {p.shard for p in m.params}
-    # Every file but the manifest itself: weights, tokenizer, template and the library.
+    # Every file but the manifest itself: weights, tokenizer, template and the libraries.
     on_disk = {str(p.relative_to(art)) for p in art.rglob("*") if p.is_file()}
     assert set(m.checksums) == on_disk - {"manifest.yaml"}
-    assert shards | {"tokenizer.json", "chat_template.jinja", m.library} <= set(m.checksums)
+    assert shards | {"tokenizer.json", "chat_template.jinja"} <= set(m.checksums)
+    assert {lib.file for lib in m.libraries} <= set(m.checksums)
     for name, entry in m.checksums.items():
         assert entry["size"] == (art / name).stat().st_size
         assert entry["sha256"] == integrity.sha256_file(art / name)
@@ -161,7 +162,7 @@ def _truncate(path: Path) -> None:
 
 DAMAGE = {"flipped byte": _flip_byte, "truncated": _truncate, "missing": Path.unlink}
 # The checks name each file the way the manifest does; a library is one of them.
-FILES = {"weights": lambda m: m.params[0].shard, "library": lambda m: m.library}
+FILES = {"weights": lambda m: m.params[0].shard, "library": lambda m: m.libraries[0].file}
 FILES["tokenizer"] = lambda m: "tokenizer.json"
 
 

@@ -39,6 +39,9 @@ def published(tiny_artifact) -> tuple[dict[str, bytes], Path]:
     files = artifact_files(art)
     other = os.urandom(4096)
     raw = yaml.safe_load(files["manifest.yaml"])
+    metal = {**raw["libraries"][0], "file": OTHER_LIBRARY, "device": "metal", "target": "metal"}
+    metal.update(platform="macos-arm64", cpu_level=None, cpu_features=[])
+    raw["libraries"].append(metal)
     raw["checksums"][OTHER_LIBRARY] = {
         "size": len(other),
         "sha256": hashlib.sha256(other).hexdigest(),
@@ -94,7 +97,11 @@ def test_pull_fetches_only_what_this_machine_runs(published, hub_env, monkeypatc
     assert texts[0] == texts[1] and texts[0].strip()
     # inspect reads the manifest only; verify wants every file, and names the one not pulled.
     assert main(["inspect", f"hf://{REPO}"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["library"] == Manifest.read(art).library
+    libraries = yaml.safe_load(capsys.readouterr().out)["libraries"]
+    assert [lib["file"] for lib in libraries] == [
+        Manifest.read(art).libraries[0].file,
+        OTHER_LIBRARY,
+    ]
     assert main(["verify", f"hf://{REPO}"]) == 1
     out = capsys.readouterr().out
     assert f"BAD {OTHER_LIBRARY}: missing" in out and out.count("BAD") == 1
@@ -104,7 +111,7 @@ def test_a_changed_file_in_the_cache_is_refused(published, hub_env):
     snapshot = cache_as_pulled(published, Path(hub_env["HF_HOME"]))
     m = Manifest.read(snapshot)
     ref = parse_hub_ref(f"hf://{REPO}@main")
-    for name in (m.params[0].shard, m.library):
+    for name in (m.params[0].shard, m.libraries[0].file):
         blob = (snapshot / name).resolve()
         good = blob.read_bytes()
         bad = bytearray(good)
@@ -115,12 +122,12 @@ def test_a_changed_file_in_the_cache_is_refused(published, hub_env):
         blob.write_bytes(good)
     pull(ref, files_for_device(None))  # the original bytes pass, and are remembered
     # A file changed after it passed is hashed again (its mtime moved), and refused.
-    blob = (snapshot / m.library).resolve()
+    blob = (snapshot / m.libraries[0].file).resolve()
     data = bytearray(blob.read_bytes())
     data[100] ^= 0x01
     time.sleep(0.01)
     blob.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=f"{m.library} does not match"):
+    with pytest.raises(ArtifactError, match=f"{m.libraries[0].file} does not match"):
         pull(ref, files_for_device(None))
 
 

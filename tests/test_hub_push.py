@@ -60,7 +60,13 @@ def test_dry_run_lists_exactly_the_files_and_the_card(art, capsys, monkeypatch):
     assert {"tallow", "tvm", m.quantization, "cpu"} <= set(card.data.tags)
     assert card.data.base_model is None  # compiled from a local folder
     assert card.data.pipeline_tag == "text-generation"
-    for fact in (m.tallow_version, m.tvm_version, m.model.architecture, m.library, m.quantization):
+    for fact in (
+        m.tallow_version,
+        m.tvm_version,
+        m.model.architecture,
+        m.libraries[0].file,
+        m.quantization,
+    ):
         assert fact in card.text, fact
     assert "tallow serve hf://me/tiny-qwen3" in card.text
 
@@ -68,22 +74,25 @@ def test_dry_run_lists_exactly_the_files_and_the_card(art, capsys, monkeypatch):
 def test_card_links_a_hub_source_model(art):
     m = Manifest.read(art)
     m.model = dataclasses.replace(m.model, source="Qwen/Qwen3-0.6B")
-    card = ModelCard(render_model_card(m, "me/qwen3-0.6b-tallow", {m.library: 2**21}))
+    card = ModelCard(render_model_card(m, "me/qwen3-0.6b-tallow", {m.libraries[0].file: 2**21}))
     assert card.data.base_model == "Qwen/Qwen3-0.6B"
     assert "[Qwen/Qwen3-0.6B](https://huggingface.co/Qwen/Qwen3-0.6B)" in card.text
-    assert f"| `{m.library}` | cpu" in card.text and "| 2.0 MiB |" in card.text
+    assert (
+        f"| `{m.libraries[0].file}` | {m.libraries[0].target} (" in card.text
+        and "| 2.0 MiB |" in card.text
+    )
 
 
 def test_a_damaged_artifact_is_not_pushed(art, capsys):
     m = Manifest.read(art)
-    with open(art / m.library, "r+b") as f:
+    with open(art / m.libraries[0].file, "r+b") as f:
         f.seek(1000)
         byte = f.read(1)
         f.seek(1000)
         f.write(bytes([byte[0] ^ 0x01]))
     assert main(["push", str(art), "hf://me/tiny-qwen3", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert f"not pushed, damaged or missing: {m.library} (sha256" in err
+    assert f"not pushed, damaged or missing: {m.libraries[0].file} (sha256" in err
 
 
 class RecordingHub:
@@ -120,6 +129,6 @@ def test_push_is_one_commit_of_the_listed_files(art, capsys, monkeypatch):
     assert set(ops) == expected
     with ops["README.md"].as_file() as f:
         assert f.read().decode() == dry.split(CARD_MARK + "\n")[1][:-1]
-    with ops[Manifest.read(art).library].as_file() as f:
-        assert f.read() == (art / Manifest.read(art).library).read_bytes()
+    with ops[Manifest.read(art).libraries[0].file].as_file() as f:
+        assert f.read() == (art / Manifest.read(art).libraries[0].file).read_bytes()
     assert "tallow serve hf://me/tiny-qwen3@v1" in out and "pushed:" in err
