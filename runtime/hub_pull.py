@@ -79,20 +79,24 @@ def everything(manifest: Manifest) -> list[str]:
     return sorted(manifest.checksums or {})
 
 
-def library_for_device(manifest: Manifest, device: str | None) -> LibraryInfo:
+def library_for_device(manifest: Manifest, device: str | None, **machine) -> LibraryInfo:
     """The library a load on `device` (None or `auto`: this machine's choice) will run: the
-    runtime's own choice (`library_select`), made before anything else is downloaded."""
+    runtime's own choice (`library_select`), made before anything else is downloaded.
+    `machine` passes facts about another machine (`is_mac`, `cuda_archs`, ...) to simulate it."""
     from .library_select import choose_library
 
-    return choose_library(manifest, device).library
+    return choose_library(manifest, device, **machine).library
 
 
-def files_for_device(device: str | None) -> FileChooser:
+def files_for_device(device: str | None, **machine) -> FileChooser:
     """What serving or generating on `device` reads: the weights, the tokenizer, the chat
     template and the one library chosen for this machine."""
     from .artifact import runtime_files  # numpy and safetensors: only when pulling
 
-    return lambda manifest: runtime_files(manifest, library_for_device(manifest, device))
+    def choose(manifest: Manifest) -> list[str]:
+        return runtime_files(manifest, library_for_device(manifest, device, **machine))
+
+    return choose
 
 
 def pull_manifest(ref: HubRef) -> Path:

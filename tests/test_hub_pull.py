@@ -107,6 +107,27 @@ def test_pull_fetches_only_what_this_machine_runs(published, hub_env, monkeypatc
     assert f"BAD {OTHER_LIBRARY}: missing" in out and out.count("BAD") == 1
 
 
+def test_another_machine_pulls_its_own_library(published, hub_env, monkeypatch):
+    """The same repository seen from a simulated Mac takes the Metal library (and hashes it);
+    an explicit device the artifact cannot serve fails before any download."""
+    files, art = published
+    write_cached_repo(Path(hub_env["HF_HOME"]), REPO, files)
+    asked: list[list[str]] = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda *a, **kw: asked.append(sorted(kw["allow_patterns"])) or real(*a, **kw),
+    )
+    ref = parse_hub_ref(f"hf://{REPO}")
+    pull(ref, files_for_device(None, is_mac=True))
+    cpu_library = Manifest.read(art).libraries[0].file
+    assert asked == [sorted({*artifact_files(art), OTHER_LIBRARY} - {cpu_library})]
+    with pytest.raises(ArtifactError, match="cannot run on cuda: .*the artifact has: .*metal"):
+        pull(ref, files_for_device("cuda", cuda_archs=["sm_90"]))
+    assert len(asked) == 1
+
+
 def test_a_changed_file_in_the_cache_is_refused(published, hub_env):
     snapshot = cache_as_pulled(published, Path(hub_env["HF_HOME"]))
     m = Manifest.read(snapshot)
