@@ -161,6 +161,7 @@ def _hub_call(ref: HubRef, call: Callable[[], str]) -> str:
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -186,9 +187,9 @@ def _hub_call(ref: HubRef, call: Callable[[], str]) -> str:
         ) from e
     except RevisionNotFoundError as e:
         raise ArtifactError(f"{ref}: no revision {ref.revision or 'main'} in the repository") from e
+    except RemoteEntryNotFoundError as e:
+        raise ArtifactError(f"{ref} is not a tallow artifact (no {MANIFEST_NAME})") from e
     except HfHubHTTPError as e:
-        if "404" in str(e) and MANIFEST_NAME in str(e):
-            raise ArtifactError(f"{ref} is not a tallow artifact (no {MANIFEST_NAME})") from e
         raise ArtifactError(f"{ref}: the hub refused the download ({_first_line(e)})") from e
 
 
