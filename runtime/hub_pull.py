@@ -61,7 +61,8 @@ def parse_hub_ref(spec: str) -> HubRef:
     try:
         uri = parse_hf_uri(spec)
     except HfUriError as e:
-        raise ArtifactError(f"{e}; expected hf://org/repo or hf://org/repo@revision") from None
+        reason = str(e).strip().rstrip(".")
+        raise ArtifactError(f"{reason}; expected hf://org/repo or hf://org/repo@revision") from None
     if uri.type != "model" or uri.path_in_repo:
         raise ArtifactError(
             f"{spec}: an artifact is a whole model repository; expected hf://org/repo or "
