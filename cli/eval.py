@@ -31,11 +31,11 @@ def add_eval_parser(sub) -> None:
         help="perplexity of an artifact on a text; KL divergence against a reference",
         description=DESCRIPTION,
     )
-    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+    p.add_argument("artifact", type=_artifact_arg, help=_ARTIFACT_HELP)
     p.add_argument("--text", type=Path, required=True, help="a UTF-8 text file to score")
     p.add_argument(
         "--reference",
-        type=Path,
+        type=_artifact_arg,
         help="an artifact of the same model (same tokenizer) to compare with, e.g. its f32 one",
     )
     p.add_argument(
@@ -99,8 +99,20 @@ def _read_text(path: Path) -> str:
         raise TallowError(f"--text {path}: cannot read it ({e.strerror})") from e
 
 
-def _load(folder: Path, args):
+def _artifact_arg(value: str):
+    from tallow.cli.hub import artifact_arg
+
+    return artifact_arg(value)
+
+
+_ARTIFACT_HELP = "artifact folder written by `tallow compile`, or hf://org/repo[@revision]"
+
+
+def _load(spec, args):
+    from tallow.cli.hub import artifact_folder
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    folder = artifact_folder(spec, args.device)  # hf://: pulled and checked
 
     # One sequence at a time, one window long (a page more for rounding).
     kv = KVCacheConfig(max_batch_size=1, max_total_tokens=args.context + 64)
