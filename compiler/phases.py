@@ -64,7 +64,13 @@ def read_config(state: CompileState) -> str:
     )
     check_sources_present(state.weight_map, checkpoint.names())
     state.quant_plan = plan = make_plan(
-        opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
+        opts.quant,
+        opts.dtype,
+        state.weight_map,
+        checkpoint.shape,
+        checkpoint.source_type,
+        tied_output=config.tie_word_embeddings,
+        allow_requantize=opts.allow_requantize,
     )
     if plan.types and opts.dtype != "f32":
         raise TargetError(

@@ -3,11 +3,13 @@
 * No `--quant` and a GGUF source: each weight keeps its own GGUF type (a mixed Q4_K_M file
   stays mixed). Fused parameters (q/k/v, gate/up) keep the type only when all their parts
   share it; otherwise, and for float tensors, the weight is dequantized to `--dtype`.
-* `--quant q4_0 … q6k` (any registered format, `tallow.compiler.quant.QUANT_FORMATS`): every
-  linear weight and the embedding take that format. A weight whose row length is not a
-  multiple of the block size (32, or 256 for K-quants) takes the format's `fallback` as
-  llama.cpp does (q2k/q3k → q4_0, q4k → q5_0, q5k → q5_1, q6k → q8_0); a row length that
-  fits neither (for a legacy type: not a multiple of 32) stays float.
+* `--quant MIX`: a named mix (`quant.mixes`: llama.cpp's q2k, q3k_s/m/l, q4k_s/m, q5k_s/m,
+  q6k, q8_0, q4_0, q4_1, q5_0, q5_1; `q4k` is q4k_m) chooses a format per tensor by role
+  and layer (`mix_plan`), with llama.cpp's fallbacks for rows the block does not divide
+  (q2k/q3k -> q4_0, q4k -> q5_0, q5k -> q5_1, q6k -> q8_0; a row neither divides stays
+  float). `--quant FORMAT:all` puts every linear weight and the embedding in one format.
+  A GGUF source already quantized is refused unless `allow_requantize`
+  (`requantize_guard`).
 * `--quant f32|f16|bf16` (or none with a float source): plain float weights.
 Norms and biases always stay float, as in llama.cpp.
 """
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 
 from tallow.runtime.errors import TargetError
 
-from .quant import QUANT_FORMATS, get_format
+from .mix_plan import mix_part_types
+from .quant.mixes import FLOAT, find_mix, mix_names
+from .requantize_guard import check_requantization
 
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANTIZABLE = (
@@ -43,14 +47,15 @@ class QuantPlan:
 
 
 def quant_choices() -> tuple[str, ...]:
-    """The valid `--quant` names: the float formats, then every registered block format."""
-    return (*FLOAT_FORMATS, *QUANT_FORMATS)
+    """The valid `--quant` names: the float formats, the mixes and their aliases, then
+    `FORMAT:all` for every registered block format (llama.cpp's ftype spellings, such as
+    Q4_K_M, are accepted too)."""
+    return (*FLOAT_FORMATS, *mix_names())
 
 
 def check_quant_option(quant: str | None, dtype: str) -> None:
-    choices = quant_choices()
-    if quant is not None and quant not in choices:
-        raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(choices)}")
+    if quant is not None and quant not in FLOAT_FORMATS and find_mix(quant) is None:
+        raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(quant_choices())}")
     if quant in FLOAT_FORMATS and quant != dtype:
         raise TargetError(
             f"--quant {quant} with --dtype {dtype}: float weights use the compute dtype; "
@@ -64,9 +69,12 @@ def make_plan(
     weight_map: dict[str, list[str]],
     shape_of,
     source_type,
+    *,
+    tied_output: bool | None = None,
+    allow_requantize: bool = False,
 ) -> QuantPlan:
     """`shape_of(src)` is a source tensor's shape, `source_type(src)` its GGUF type name
-    (a QUANT_FORMATS key) or "float"."""
+    (a QUANT_FORMATS key) or "float"; `tied_output`: the config's tie_word_embeddings."""
     check_quant_option(quant, dtype)
     plan = QuantPlan(label=dtype)
     targets = [p for p in weight_map if p.endswith(QUANTIZABLE)]
@@ -83,14 +91,15 @@ def make_plan(
         return plan
     if quant in FLOAT_FORMATS:
         return plan
-    plan.label = quant
-    for p in targets:
-        cols = shape_of(weight_map[p][0])[-1]
-        fmt = get_format(quant)
-        if fmt.fits(cols):
-            plan.types[p] = quant
-        elif fmt.fallback is not None and get_format(fmt.fallback).fits(cols):
-            plan.types[p] = fmt.fallback
-        if p in plan.types and all(source_type(s) == plan.types[p] for s in weight_map[p]):
-            plan.reused.add(p)
+    mix = find_mix(quant)
+    part_types = mix_part_types(mix, weight_map, shape_of, tied_output)
+    check_requantization(mix.name, weight_map, part_types, source_type, allow_requantize)
+    plan.label = mix.name
+    for p, types in part_types.items():
+        # TODO(mixedfused): parts of different types get their own storage there; until
+        # then such a fused weight stays float, as a mixed GGUF's does.
+        if len(set(types)) == 1 and types[0] != FLOAT:
+            plan.types[p] = types[0]
+            if all(source_type(s) == types[0] for s in weight_map[p]):
+                plan.reused.add(p)
     return plan
