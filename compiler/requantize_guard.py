@@ -62,12 +62,16 @@ def check_requantization(
     ggml = lambda t: get_format(t).ggml_type.name  # noqa: E731 - the file's own spelling
     worse = sum(get_format(new).bits_per_weight <= get_format(old).bits_per_weight
                 for _, old, new in found)  # fmt: skip
+    why = (
+        f"{worse} of them would get no more bits than they have"
+        if worse
+        else "more bits cannot bring back what the source's rounding lost"
+    )
     raise ModelSourceError(
         f"--quant {label} would requantize {len(found)} tensor(s) that the GGUF source "
         f"already stores quantized: source tensors are {_tally([o for _, o, _ in found], ggml)}; "
         f"requantized to {_tally([n for _, _, n in found], str)}. Quantizing rounded weights "
         f"again loses precision twice (the source's rounding error plus the new format's); "
-        f"{worse} of them would get no more bits than they have. Pass --allow-requantize to "
-        f"accept the loss, or leave out --quant to keep the file's own types (or quantize "
-        f"from the float original)."
+        f"{why}. Pass --allow-requantize to accept the loss, or leave out --quant to keep the "
+        f"file's own types (or quantize from the float original)."
     )

@@ -153,3 +153,95 @@ def test_70b_attn_v_gets_q5k():
     assert q4k_m["blk.10.attn_v.weight"] == q4k_m["blk.11.attn_v.weight"] == "q5k"
     mha = ModelFacts(n_layer=80, n_head=8, n_head_kv=8, tied_output=True)
     assert set(MIXES["q3k_s"].types(shapes, mha).values()) == {"q3k"}
+
+
+# --- the requantization guard, from the command line -------------------------------------------
+
+LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tiny_model_dir, tmp_path_factory):
+    """The tiny qwen3 model as a GGUF whose matrices are all Q4_1 (as gguf quantizes)."""
+    from gguf_models import write_gguf
+
+    types = {f"blk.{i}.{r}.weight": "q4_1" for i in range(2) for r in LINEAR}
+    types.update({"token_embd.weight": "q4_1", "output.weight": "q4_1"})
+    out = tmp_path_factory.mktemp("q4_1") / "tiny.Q4_1.gguf"
+    return write_gguf(tiny_model_dir("qwen3"), out, "qwen3", tensor_types=types)
+
+
+def compile_argv(model, out, *extra) -> list[str]:
+    return ["compile", "--model", str(model), "--output", str(out), "--quiet", *extra]
+
+
+def test_requantization_is_refused(capsys, q4_1_gguf, tmp_path):
+    """A clean refusal (exit 2, one error line, nothing written) naming the source's types,
+    the targets' and the loss."""
+    from test_cli_compile import assert_clean_failure
+
+    out = tmp_path / "out"
+    # q4_0 (4.5 bpw) below Q4_1 (5 bpw) for all but the head (q6k -> q8_0 at 64 columns)
+    message = (
+        "--quant q4_0 would requantize 16 tensor(s) that the GGUF source already stores "
+        "quantized: source tensors are 16 x Q4_1 (5 bpw); requantized to 15 x q4_0 (4.5 bpw), "
+        "1 x q8_0 (8.5 bpw). Quantizing rounded weights again loses precision twice (the "
+        "source's rounding error plus the new format's); 15 of them would get no more bits "
+        "than they have. Pass --allow-requantize to accept the loss"
+    )
+    assert_clean_failure(capsys, out, compile_argv(q4_1_gguf, out, "--quant", "q4_0"), message)
+    # Q4_K_M at 64 columns: q4k -> q5_0 (5.5 bpw), q6k -> q8_0: more bits, still refused
+    message = (
+        "requantized to 13 x q5_0 (5.5 bpw), 3 x q8_0 (8.5 bpw). Quantizing rounded weights "
+        "again loses precision twice (the source's rounding error plus the new format's); "
+        "more bits cannot bring back what the source's rounding lost."
+    )
+    argv = compile_argv(q4_1_gguf, out, "--quant", "Q4_K_M")
+    assert_clean_failure(capsys, out, argv, message)
+
+
+def test_requantization_guard_per_tensor(q4_1_gguf):
+    """Keeping a tensor's own type is a copy, not a requantization; decoding to float is
+    lossless; --allow-requantize lets the rest through."""
+    from tallow.compiler.gguf_source import gguf_source
+    from tallow.model_defs.registry import get_architecture
+    from tallow.runtime.errors import ModelSourceError
+
+    source = gguf_source(str(q4_1_gguf), q4_1_gguf)
+    arch = get_architecture(source.config)
+    ckpt = source.open_checkpoint()
+    weight_map = source.weight_map(arch, arch.config_from_hf(source.config))
+
+    def plan(quant, **kw):
+        return make_plan(quant, "f32", weight_map, ckpt.shape, ckpt.source_type, **kw)
+
+    kept = plan("q4_1:all")  # every tensor already q4_1: blocks copied
+    assert kept.reused == set(kept.types) and len(kept.types) == 10
+    assert plan("f32").types == {}  # dequantized: nothing requantized
+    with pytest.raises(ModelSourceError, match="--quant q4_1 would requantize 1 tensor") as e:
+        plan("q4_1")  # the mix's head at q8_0 (q6k's fallback); the embedding stays q4_1
+    assert "more bits cannot bring back" in str(e.value)
+    allowed = plan("q4_0", allow_requantize=True)
+    assert set(allowed.types.values()) == {"q4_0", "q8_0"} and not allowed.reused
+
+
+def test_allow_requantize_from_the_command_line(monkeypatch, q4_1_gguf, tmp_path):
+    """--allow-requantize reaches the plan: the compile plans the requantization (stopped
+    after planning here; a whole compile of a planned mix is test_quant_model's)."""
+    from tallow.cli.main import main
+    from tallow.compiler import phases, pipeline
+    from tallow.runtime.errors import TallowError
+
+    planned = {}
+
+    def stop(state):
+        planned["plan"] = state.quant_plan
+        raise TallowError("stopped after planning")
+
+    monkeypatch.setattr(pipeline, "_phases", lambda: [("read", phases.read_config), ("stop", stop)])
+    out = tmp_path / "out"
+    argv = compile_argv(q4_1_gguf, out, "--quant", "q4_0", "--allow-requantize")
+    assert main(argv) == 2
+    plan = planned["plan"]
+    assert plan.label == "q4_0" and set(plan.types.values()) == {"q4_0", "q8_0"}
+    assert not plan.reused and list(out.iterdir()) == []  # the partial folder is gone

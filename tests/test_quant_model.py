@@ -58,17 +58,43 @@ def dequantized_twin(src, dst, types: dict[str, str]):
     return dst
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4k:all"])
+def assert_types_are_the_mix(manifest: dict, src, mix: str) -> None:
+    """Each weight of the manifest has the type the mix gives its parts (the mixes are
+    checked against llama.cpp in test_quant_mixes); parts that differ stay float for now."""
+    from gguf_models import gguf_name
+    from safetensors import safe_open
+
+    from tallow.compiler.quant.mixes import MIXES
+
+    with safe_open(src / "model.safetensors", "np") as f:
+        parts: dict[str, list[str]] = {}
+        shapes = {}
+        for n in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            module = n.rsplit(".", 2)[-2]
+            parts.setdefault(n.replace(module, OURS.get(module, module)), []).append(gguf_name(n))
+            shapes[gguf_name(n)] = f.get_slice(n).get_shape()
+    want = MIXES[mix].types(shapes)
+    for p in manifest["params"]:
+        types = {want.get(g, "none") for g in parts[p["name"]]}
+        assert p["quant"] == (types.pop() if len(types) == 1 else "none"), p["name"]
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4k"])
 def test_quant_on_float_model(quant, tiny_model_dir, tmp_path):
     """qwen2 (q/k/v bias on a quantized matmul) quantized with --quant equals, to float32
     rounding, the float model built from the same weights decoded by gguf's dequantizer.
-    Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, as llama.cpp does."""
+    Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, q6k to q8_0, as
+    llama.cpp does; q4k is the mix q4k_m (its head, last attn_v and ffn_down in q6k)."""
     src = tiny_model_dir("qwen2")
     art = compile_model(CompileOptions(model=str(src), quant=quant, output=tmp_path, quiet=True))
     m = manifest_of(art)
-    assert m["quantization"] == quant.removesuffix(":all")
+    mix = {"q4k": "q4k_m"}.get(quant, quant)
+    assert m["quantization"] == mix and mix in art.name
+    assert_types_are_the_mix(m, src, mix)
     types = {p["name"]: p["quant"] for p in m["params"]}
-    expected = {"q8_0": "q8_0", "q4_0": "q4_0", "q4k:all": "q5_0"}[quant]
+    assert types["lm_head.weight"] == "q8_0"  # the head: q6k, its fallback at 64 columns
+    assert types["model.layers.1.mlp.down_proj.weight"] == ("q8_0" if mix == "q4k_m" else mix)
+    expected = {"q8_0": "q8_0", "q4_0": "q4_0", "q4k": "q5_0"}[quant]
     assert types["model.layers.0.self_attn.qkv_proj.weight"] == expected
     assert types["model.layers.0.self_attn.qkv_proj.bias"] == "none"
     assert types["model.layers.0.input_layernorm.weight"] == "none"
