@@ -72,6 +72,8 @@ def read_config(state: CompileState) -> str:
         tied_output=config.tie_word_embeddings,
         allow_requantize=opts.allow_requantize,
     )
+    # fused weights whose parts keep different types become one parameter per run
+    state.weight_map = plan.param_weight_map(state.weight_map)
     if plan.types and opts.dtype != "f32":
         raise TargetError(
             f"quantized weights ({plan.label}) run with --dtype f32 on the {opts.target} target "
@@ -93,7 +95,7 @@ def build_module(state: CompileState) -> str:
         state.config,
         dtype,
         state.target.tvm(),
-        quant=state.quant_plan.types,
+        quant=state.quant_plan.module_types(),
         task=state.options.task,
     )
     return f"{type(state.module).__name__} ({dtype})"

@@ -99,12 +99,14 @@ def test_plan_parts_match_llama_cpp(case, source):
             assert ggml_name(t) == want[gguf_part], gguf_part
             checked += 1
     assert checked == sum(1 for n in want if not n.endswith("_norm.weight"))
-    # the plan: the mix's name as label, one type per parameter whose parts agree
+    # the plan: the mix's name as label, the types of every part
     plan = make_plan("Q4_K_M", "f32", weight_map, shape_of, lambda _: "float")
     assert plan.label == "q4k_m"
     for param, types in parts.items():
-        if len(set(types)) == 1 and types[0] != FLOAT:
-            assert plan.qtype(param) == types[0]
+        if len(set(types)) > 1:  # stored as runs of one type (mixedfused's split storage)
+            assert plan.parts[param] == tuple(types)
+        else:
+            assert plan.qtype(param) == types[0] and param not in plan.parts
 
 
 def test_names():

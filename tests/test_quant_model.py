@@ -60,11 +60,13 @@ def dequantized_twin(src, dst, types: dict[str, str]):
 
 def assert_types_are_the_mix(manifest: dict, src, mix: str) -> None:
     """Each weight of the manifest has the type the mix gives its parts (the mixes are
-    checked against llama.cpp in test_quant_mixes); parts that differ stay float for now."""
+    checked against llama.cpp in test_quant_mixes); a fused weight whose parts differ is
+    stored as runs of parts of one type (`model_defs.weight_map.part_runs`)."""
     from gguf_models import gguf_name
     from safetensors import safe_open
 
     from tallow.compiler.quant.mixes import MIXES
+    from tallow.model_defs.weight_map import part_runs, run_param
 
     with safe_open(src / "model.safetensors", "np") as f:
         parts: dict[str, list[str]] = {}
@@ -74,9 +76,12 @@ def assert_types_are_the_mix(manifest: dict, src, mix: str) -> None:
             parts.setdefault(n.replace(module, OURS.get(module, module)), []).append(gguf_name(n))
             shapes[gguf_name(n)] = f.get_slice(n).get_shape()
     want = MIXES[mix].types(shapes)
-    for p in manifest["params"]:
-        types = {want.get(g, "none") for g in parts[p["name"]]}
-        assert p["quant"] == (types.pop() if len(types) == 1 else "none"), p["name"]
+    expected = {}
+    for param, names in parts.items():
+        runs = part_runs([want.get(g, "none") for g in names])
+        for i, (_, _, t) in enumerate(runs):
+            expected[param if len(runs) == 1 else run_param(param, i)] = t
+    assert {p["name"]: p["quant"] for p in manifest["params"]} == expected
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4k"])

@@ -29,9 +29,11 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tallow.model_defs.weight_map import FLOAT
+
 from .registry import QUANT_FORMATS, get_format
 
-FLOAT = "none"  # no block format fits the row length: the tensor stays float (as in manifests)
+# FLOAT ("none"): no block format fits the row length, the tensor stays float (as in manifests)
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_ROLES = {"token_embd.weight": "token_embd", "output.weight": "output"}
