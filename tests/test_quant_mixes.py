@@ -116,7 +116,7 @@ def test_names():
     assert find_mix("q3k") is MIXES["q3k_m"] and find_mix("Q5_K") is MIXES["q5k_m"]
     assert find_mix("q6k") is MIXES["q6k"] and find_mix("Q8_0") is MIXES["q8_0"]
     uniform = find_mix("q4k:all")
-    assert uniform.name == "q4k" and not uniform.rules and not uniform.promote_head
+    assert uniform.name == "q4k" and not uniform.rules and uniform.pure
     assert find_mix("Q4_K:ALL").name == "q4k"
     for bad in ("q9", "q4k_x", "q4k_m:all", "iq4_xs", ""):
         assert find_mix(bad) is None, bad

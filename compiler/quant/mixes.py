@@ -29,11 +29,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# FLOAT ("none"): no block format fits the row length, the tensor stays float (as in manifests)
 from tallow.model_defs.weight_map import FLOAT
 
 from .registry import QUANT_FORMATS, get_format
-
-# FLOAT ("none"): no block format fits the row length, the tensor stays float (as in manifests)
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_ROLES = {"token_embd.weight": "token_embd", "output.weight": "output"}
@@ -63,7 +62,8 @@ class ModelFacts:
     def from_tensors(cls, shapes: Mapping[str, Sequence[int]]) -> ModelFacts:
         """The facts as llama.cpp derives them from the tensor list: layers counted from
         the `blk.N` names, the GQA ratio from attn_q / attn_k rows (their heads have the same
-        size), a tied head when there is no output.weight."""
+        size; n_head / n_head_kv then stand for that ratio), a tied head when there is no
+        output.weight."""
         layers = [int(m[1]) for n in shapes if (m := _BLOCK_TENSOR.match(n))]
         q, k = shapes.get("blk.0.attn_q.weight"), shapes.get("blk.0.attn_k.weight")
         ratio = q[0] // k[0] if q and k and k[0] else 1
@@ -104,7 +104,8 @@ class Mix:
     ftype: str | None  # llama.cpp's name (LLAMA_FTYPE_MOSTLY_<ftype>); None: tallow's own
     base: str  # a registered block format
     rules: Mapping[str, Rule] = field(default_factory=dict)
-    promote_head: bool = True  # the output head (and a tied embedding) at q6k
+    # one format for every tensor (llama.cpp's `pure`): no head promotion, no rules
+    pure: bool = False
 
     def types(
         self, shapes: Mapping[str, Sequence[int]], facts: ModelFacts | None = None
@@ -122,13 +123,15 @@ class Mix:
 
     def _choose(self, role: str, layer: int, cols: int, facts: ModelFacts) -> str:
         is_head = role == "output" or (role == "token_embd" and facts.tied_output)
-        if is_head and self.promote_head:
+        if self.pure:
+            return self.base
+        if is_head:
             if cols % get_format(self.base).block_size:
                 return "q8_0"
             return self.base if self.base == "q8_0" else "q6k"
         rule = self.rules.get(role)
         fmt = (rule(layer, facts) if rule else None) or self.base
-        if role == "attn_v" and self.promote_head and facts.is_70b and fmt in ("q3k", "q4k"):
+        if role == "attn_v" and facts.is_70b and fmt in ("q3k", "q4k"):
             fmt = "q5k"
         return fmt
 
@@ -220,7 +223,7 @@ def _normal(name: str) -> str:
 def uniform_mix(fmt: str) -> Mix:
     """Every weight, the head and embedding included, in `fmt` (or its fallback)."""
     get_format(fmt)
-    return Mix(fmt, None, fmt, promote_head=False)
+    return Mix(fmt, None, fmt, pure=True)
 
 
 def find_mix(name: str) -> Mix | None:
