@@ -17,7 +17,7 @@ from tallow.runtime.errors import TallowError
 
 
 def quant_format_names() -> tuple[str, ...]:
-    """The `--quant` names (floats, then the registered block formats)."""
+    """The `--quant` names (floats, the mixes and aliases, FORMAT:all per block format)."""
     from tallow.compiler.quant_plan import quant_choices
 
     return quant_choices()
@@ -120,9 +120,18 @@ def _add_compile(sub) -> None:
         "--quant",
         action=_QuantOption,
         help=(
-            "weight format: %(formats)s (floats, then block formats laid out as in GGUF). "
+            "weights: %(formats)s. A float format, or a mix that picks a block format per "
+            "tensor by role and layer as llama.cpp's quantize does (llama.cpp's names such as "
+            "Q4_K_M are accepted too); q4k means q4k_m (and q3k q3k_m, q5k q5k_m). "
+            "FORMAT:all (e.g. q4k:all) puts every weight, head included, in one format. "
             "Default: a GGUF keeps each tensor's own type; other sources use --dtype"
         ),
+    )
+    p.add_argument(
+        "--allow-requantize",
+        action="store_true",
+        help="let --quant re-encode a GGUF's already quantized weights (loses precision twice; "
+        "refused by default, as llama.cpp's quantize does)",
     )
     p.add_argument(
         "--output", type=Path, default=Path("artifacts"), help="parent folder (default artifacts/)"
@@ -314,6 +323,7 @@ def _run_compile(args) -> int:
             sms=args.sms,
             dtype=args.dtype,
             quant=args.quant,
+            allow_requantize=args.allow_requantize,
             output=args.output,
             name=args.name,
             context_window=args.context_window,

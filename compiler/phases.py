@@ -84,8 +84,16 @@ def read_model(state: CompileState) -> str:
     )
     check_sources_present(state.weight_map, checkpoint.names())
     state.quant_plan = plan = make_plan(
-        opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
+        opts.quant,
+        opts.dtype,
+        state.weight_map,
+        checkpoint.shape,
+        checkpoint.source_type,
+        tied_output=config.tie_word_embeddings,
+        allow_requantize=opts.allow_requantize,
     )
+    # fused weights whose parts keep different types become one parameter per run
+    state.weight_map = plan.param_weight_map(state.weight_map)
     if plan.types and opts.dtype != "f32":
         raise TargetError(
             f"quantized weights ({plan.label}) run with --dtype f32 on every target "
@@ -104,7 +112,7 @@ def build_module(state: CompileState) -> str:
         state.config,
         dtype,
         state.target.tvm(),
-        quant=state.quant_plan.types,
+        quant=state.quant_plan.module_types(),
         task=state.options.task,
     )
     return f"{type(state.module).__name__} ({dtype})"

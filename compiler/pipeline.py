@@ -40,7 +40,8 @@ class CompileOptions:
     sms: list[int] | None = None  # --target cuda: SM architectures, e.g. [80, 90]
     cpu: list[str] | None = None  # --target cpu: CPU levels, one library each (default native)
     dtype: str = "f32"
-    quant: str | None = None  # weight format; None: a GGUF keeps its types, floats use dtype
+    quant: str | None = None  # weight mix or format; None: a GGUF keeps its types, floats dtype
+    allow_requantize: bool = False  # --quant may re-encode a GGUF's already quantized weights
     output: Path = Path("artifacts")
     name: str | None = None
     gguf_file: str | None = None
