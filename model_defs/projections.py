@@ -13,7 +13,7 @@ Runs and their parameter names (`P.runs.{i}.weight` for the fused `P.weight`) co
 `P.weight`, as before.
 
 Cost of the split (`benchmarks/split_projection.py`, Qwen2.5-0.5B's q/k/v 896 -> 896+128+128,
-a shared 2-core Zen 5, so rough): the same q8_0 weights as three runs plus the concatenation
+a shared 2-core Zen 4, so rough): the same q8_0 weights as three runs plus the concatenation
 took 96-103 µs per decode call against 85 µs as one kernel (batch 16: 292-322 against
 280-307); the float32 copy this replaces took about 2,100 µs. A single kernel over row ranges
 of different formats would save at most those 11-18 µs per layer, so each run is its own
