@@ -29,7 +29,9 @@ def bench_tallow(
 
     with tempfile.TemporaryDirectory() as tmp:
         art = compile_model(
-            CompileOptions(model=str(gguf), quant=quant, output=Path(tmp), quiet=True)
+            CompileOptions(  # --quant requantizes the GGUF on purpose (a noted comparison)
+                model=str(gguf), quant=quant, allow_requantize=True, output=Path(tmp), quiet=True
+            )
         )
         runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512), threads=threads)
         runner.add_sequence(0)

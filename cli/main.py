@@ -12,14 +12,25 @@ import os
 import sys
 from pathlib import Path
 
+from tallow.cli.eval import add_eval_parser, run_eval
 from tallow.runtime.errors import TallowError
 
 
 def quant_format_names() -> tuple[str, ...]:
-    """The `--quant` names (floats, then the registered block formats)."""
+    """The `--quant` names (floats, the mixes and aliases, FORMAT:all per block format)."""
     from tallow.compiler.quant_plan import quant_choices
 
     return quant_choices()
+
+
+def _artifact(value: str):
+    """argparse type of an artifact argument: a folder, or hf://org/repo[@revision]."""
+    from tallow.cli.hub import artifact_arg
+
+    return artifact_arg(value)
+
+
+_ARTIFACT_HELP = "artifact folder written by `tallow compile`, or hf://org/repo[@revision]"
 
 
 class _FormatList:
@@ -45,6 +56,7 @@ class _QuantOption(argparse.Action):
 def _add_compile(sub) -> None:
     # The registry of compile targets; importing it loads no TVM (backends import it lazily).
     from tallow.compiler.backends import BACKENDS
+    from tallow.compiler.cpu_levels import CPU_CHOICES
 
     p = sub.add_parser(
         "compile",
@@ -58,8 +70,8 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--model",
-        required=True,
-        help="a local model folder, a .gguf file, a hub id such as Qwen/Qwen3-0.6B, or 'default'",
+        help="a local model folder, a .gguf file, a hub id such as Qwen/Qwen3-0.6B, or 'default' "
+        "(required unless --add-target, which defaults to the artifact's source)",
     )
     p.add_argument(
         "--file",
@@ -68,9 +80,26 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--target",
-        default="cpu",
+        action="append",
         choices=list(BACKENDS),
-        help="compile target (default cpu)",
+        help="compile target (default cpu); repeat for one artifact with a library per target "
+        "sharing one copy of the weights",
+    )
+    p.add_argument(
+        "--cpu",
+        action="append",
+        choices=CPU_CHOICES,
+        metavar="LEVEL",
+        help="with --target cpu: the CPUs the library runs on: native (this machine's CPU, the "
+        f"default), {', '.join(CPU_CHOICES[1:])}; repeat for one library per level "
+        "(the runtime loads the best one the running CPU supports)",
+    )
+    p.add_argument(
+        "--add-target",
+        type=Path,
+        metavar="ARTIFACT",
+        help="add the --target libraries to this existing artifact; its weights are not "
+        "rewritten (the model source is read for its config only)",
     )
     p.add_argument(
         "--sm",
@@ -91,9 +120,18 @@ def _add_compile(sub) -> None:
         "--quant",
         action=_QuantOption,
         help=(
-            "weight format: %(formats)s (floats, then block formats laid out as in GGUF). "
+            "weights: %(formats)s. A float format, or a mix that picks a block format per "
+            "tensor by role and layer as llama.cpp's quantize does (llama.cpp's names such as "
+            "Q4_K_M are accepted too); q4k means q4k_m (and q3k q3k_m, q5k q5k_m). "
+            "FORMAT:all (e.g. q4k:all) puts every weight, head included, in one format. "
             "Default: a GGUF keeps each tensor's own type; other sources use --dtype"
         ),
+    )
+    p.add_argument(
+        "--allow-requantize",
+        action="store_true",
+        help="let --quant re-encode a GGUF's already quantized weights (loses precision twice; "
+        "refused by default, as llama.cpp's quantize does)",
     )
     p.add_argument(
         "--output", type=Path, default=Path("artifacts"), help="parent folder (default artifacts/)"
@@ -134,7 +172,7 @@ def _add_generate(sub) -> None:
             "as it is produced; token counts and speed go to stderr."
         ),
     )
-    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="with --chat: a system message")
@@ -144,13 +182,22 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    _add_device(p)
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+
+
+def _add_device(p) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
+        "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
+    )
 
 
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="print an artifact's manifest")
-    p.add_argument("artifact", type=Path)
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
 def _add_verify(sub) -> None:
@@ -164,7 +211,7 @@ def _add_verify(sub) -> None:
             "before checksums were recorded."
         ),
     )
-    p.add_argument("artifact", type=Path, help="artifact folder written by `tallow compile`")
+    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
 def _add_serve(sub) -> None:
@@ -178,7 +225,9 @@ def _add_serve(sub) -> None:
             "once (cached under artifacts/) and served."
         ),
     )
-    p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (default: see above)")
+    p.add_argument(
+        "artifact", type=_artifact, nargs="?", help=_ARTIFACT_HELP + " (default: see above)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument(
@@ -232,7 +281,7 @@ def _add_serve(sub) -> None:
         default=30.0,
         help="seconds a client gets to send a whole request, headers and body (default 30)",
     )
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
+    _add_device(p)
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
 
@@ -244,24 +293,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_compile(sub)
+    add_eval_parser(sub)
     _add_generate(sub)
     _add_inspect(sub)
     _add_serve(sub)
     _add_verify(sub)
+    from tallow.cli.hub import add_push
+
+    add_push(sub)
     return parser
 
 
 def _run_compile(args) -> int:
     from tallow.compiler.pipeline import CompileOptions, compile_model
 
+    if args.add_target is not None:
+        from tallow.compiler.add_target import add_targets
+
+        print(add_targets(args.add_target, _add_target_options(args)))
+        return 0
+    if not args.model:
+        raise TallowError("compile needs --model (or --add-target ARTIFACT)")
     out = compile_model(
         CompileOptions(
             model=args.model,
             gguf_file=args.gguf_file,
-            target=args.target,
+            target=args.target or ["cpu"],
+            cpu=args.cpu,
             sms=args.sms,
             dtype=args.dtype,
             quant=args.quant,
+            allow_requantize=args.allow_requantize,
             output=args.output,
             name=args.name,
             context_window=args.context_window,
@@ -275,24 +337,46 @@ def _run_compile(args) -> int:
     return 0
 
 
+def _add_target_options(args):
+    """What `--add-target` takes from the command line; the rest comes from the manifest."""
+    from tallow.compiler.add_target import AddTargetOptions
+
+    if not args.target:
+        raise TallowError("--add-target needs at least one --target")
+    return AddTargetOptions(
+        targets=args.target,
+        cpu=args.cpu,
+        sms=args.sms,
+        model=args.model,
+        gguf_file=args.gguf_file,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
+    )
+
+
 def _run_generate(args) -> int:
     from tallow.cli.generate import run_generate
+    from tallow.cli.hub import artifact_folder
 
+    args.artifact = artifact_folder(args.artifact, args.device)
     return run_generate(args)
 
 
 def _run_inspect(args) -> int:
+    from tallow.cli.hub import manifest_folder
     from tallow.runtime.manifest import Manifest
 
-    sys.stdout.write(Manifest.read(args.artifact).to_yaml())
+    sys.stdout.write(Manifest.read(manifest_folder(args.artifact)).to_yaml())
     return 0
 
 
 def _run_verify(args) -> int:
+    from tallow.cli.hub import whole_artifact_folder
     from tallow.runtime.integrity import verify
     from tallow.runtime.manifest import Manifest
 
-    manifest = Manifest.read(args.artifact)
+    folder = whole_artifact_folder(args.artifact)  # hf://: downloaded, checked below
+    manifest = Manifest.read(folder)
     if manifest.checksums is None:
         print(
             f"{args.artifact}: no checksums recorded (compiled by an older tallow); "
@@ -300,7 +384,7 @@ def _run_verify(args) -> int:
             file=sys.stderr,
         )
         return 1
-    results = verify(args.artifact, manifest.checksums)
+    results = verify(folder, manifest.checksums)
     bad = [(name, problem) for name, problem in results if problem is not None]
     for name, problem in results:
         print(f"{'ok ' if problem is None else 'BAD'} {name}" + (f": {problem}" if problem else ""))
@@ -310,6 +394,12 @@ def _run_verify(args) -> int:
         return 1
     print(f"{args.artifact}: {len(results)} files verified", file=sys.stderr)
     return 0
+
+
+def _run_push(args) -> int:
+    from tallow.cli.hub import run_push
+
+    return run_push(args)
 
 
 _DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
@@ -326,6 +416,10 @@ def _run_serve(args) -> int:
             print(f"compiling the default model into {folder} (once)", file=sys.stderr)
             options = CompileOptions(model="default", output=folder.parent, name=folder.name)
             folder = Path(compile_model(options))
+    else:
+        from tallow.cli.hub import artifact_folder
+
+        folder = artifact_folder(args.artifact, args.device)
     # Otherwise the server needs only TVM's runtime library, not the compiler stack.
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from tallow.runtime.engine_factory import EngineOptions, build_engine
@@ -359,8 +453,14 @@ def _run_serve(args) -> int:
         allowed_origins=_comma_list(args.allowed_origins),
         request_timeout=args.request_timeout,
     )
-    name = args.served_model_name or Path(folder).resolve().name
+    name = args.served_model_name or _served_name(args.artifact, folder)
     return serve(engine, name, options, args.host, args.port)  # says "serving ..." once bound
+
+
+def _served_name(spec, folder: Path) -> str:
+    from tallow.cli.hub import served_name
+
+    return served_name(spec, folder)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:
@@ -375,10 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = {
         "compile": _run_compile,
+        "eval": run_eval,
         "generate": _run_generate,
         "inspect": _run_inspect,
         "serve": _run_serve,
         "verify": _run_verify,
+        "push": _run_push,
     }
     try:
         return commands[args.command](args)

@@ -15,25 +15,45 @@ from tallow.runtime.errors import ModelSourceError, TargetError
 from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import (
     FORMAT_VERSION,
+    MAIN_WEIGHTS,
     EmbeddingInfo,
     KVCacheInfo,
     Manifest,
     ManifestModel,
-    TargetInfo,
 )
 
 from . import tokenizer_files
+from .libraries import (
+    artifact_suffix,
+    library_info,
+    resolve_targets,
+    weight_set_for,
+    weight_shard_prefix,
+)
 from .pipeline import CompileState, make_work_dir
 from .pooling import choose_pooling
 from .quant_plan import check_quant_option, make_plan
 from .source import resolve_source, sha256_file
-from .target import DTYPES, resolve_target
+from .target import DTYPES
 from .weights import ParamSpec, check_sources_present, check_weight_map, write_weight_shards
 
 
 def read_config(state: CompileState) -> str:
+    summary = read_model(state)
+    opts, plan = state.options, state.quant_plan
+    task_suffix = "-embed" if opts.task == "embed" else ""
+    suffix = artifact_suffix(state.targets)
+    name = opts.name or f"{state.source.name}-{plan.label}-{suffix}{task_suffix}"
+    make_work_dir(state, name)
+    return summary
+
+
+def read_model(state: CompileState) -> str:
+    """The source's config, architecture, weight map and quantization plan (no files written)."""
     opts = state.options
-    state.target = resolve_target(opts.target, opts.dtype, opts.sms)
+    if not state.targets:
+        state.targets = resolve_targets(opts)
+    state.target = state.targets[0]
     state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
     try:
         state.architecture = arch = get_architecture(source.config)
@@ -64,16 +84,21 @@ def read_config(state: CompileState) -> str:
     )
     check_sources_present(state.weight_map, checkpoint.names())
     state.quant_plan = plan = make_plan(
-        opts.quant, opts.dtype, state.weight_map, checkpoint.shape, checkpoint.source_type
+        opts.quant,
+        opts.dtype,
+        state.weight_map,
+        checkpoint.shape,
+        checkpoint.source_type,
+        tied_output=config.tie_word_embeddings,
+        allow_requantize=opts.allow_requantize,
     )
+    # fused weights whose parts keep different types become one parameter per run
+    state.weight_map = plan.param_weight_map(state.weight_map)
     if plan.types and opts.dtype != "f32":
         raise TargetError(
-            f"quantized weights ({plan.label}) run with --dtype f32 on the {opts.target} target "
+            f"quantized weights ({plan.label}) run with --dtype f32 on every target "
             f"for now; pass --dtype f32 or --quant {opts.dtype}"
         )
-    task_suffix = "-embed" if opts.task == "embed" else ""
-    name = opts.name or f"{source.name}-{plan.label}-{state.target.suffix}{task_suffix}"
-    make_work_dir(state, name)
     return (
         f"{arch.hf_name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads}/{config.num_key_value_heads} heads; weights {plan.label}; "
@@ -87,7 +112,7 @@ def build_module(state: CompileState) -> str:
         state.config,
         dtype,
         state.target.tvm(),
-        quant=state.quant_plan.types,
+        quant=state.quant_plan.module_types(),
         task=state.options.task,
     )
     return f"{type(state.module).__name__} ({dtype})"
@@ -132,24 +157,43 @@ def lower(state: CompileState) -> str:
 
 def build_library(state: CompileState) -> str:
     spec = state.target
-    name = spec.library_name  # model.so, or a .tar of objects for Metal
+    name = spec.library_name  # lib/<what it runs on>.so, or a .tar of objects (Metal)
     path = state.work_dir / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     spec.backend.build(state.ir_module, spec, path)
-    return f"{name}: {path.stat().st_size / 2**20:.1f} MiB"
+    weights = weight_set_for(state.weight_sets, state.params, spec)
+    state.libraries.append(library_info(spec, weights))
+    state.module = state.ir_module = None  # the next target lowers its own
+    return f"{name}: {path.stat().st_size / 2**20:.1f} MiB (weight set {weights})"
 
 
 def convert_weights(state: CompileState) -> str:
-    state.param_infos = write_weight_shards(
-        state.work_dir,
-        state.params,
-        state.weight_map,
-        state.checkpoint,
-        state.progress,
-        state.quant_plan,
-    )
-    shards = {p.shard for p in state.param_infos}
+    """Every weight set once (today one, `main`, whatever the number of targets)."""
+    if not state.weight_sets:  # no library built (a caller running single phases)
+        state.weight_sets[MAIN_WEIGHTS] = state.params
+    for set_name, params in state.weight_sets.items():
+        infos = write_weight_shards(
+            state.work_dir,
+            params,
+            state.weight_map,
+            state.checkpoint,
+            state.progress,
+            state.quant_plan,
+            prefix=weight_shard_prefix(set_name),
+        )
+        if set_name == MAIN_WEIGHTS:
+            state.param_infos = infos
+        else:
+            state.other_param_infos[set_name] = infos
+    infos = [*state.param_infos, *(i for s in state.other_param_infos.values() for i in s)]
+    shards = {p.shard for p in infos}
     size = sum((state.work_dir / s).stat().st_size for s in shards)
-    return f"{len(state.param_infos)} tensors in {len(shards)} shard(s), {size / 2**20:.1f} MiB"
+    sets = len(state.weight_sets)
+    return (
+        f"{len(infos)} tensors in {len(shards)} shard(s), {size / 2**20:.1f} MiB "
+        f"({sets} weight set{'s' if sets > 1 else ''} for {len(state.libraries)} librar"
+        f"{'ies' if len(state.libraries) != 1 else 'y'})"
+    )
 
 
 def copy_tokenizer(state: CompileState) -> str:
@@ -185,31 +229,26 @@ def write_manifest(state: CompileState) -> str:
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
         ),
-        target=TargetInfo(
-            kind=state.target.kind,
-            tvm_target=state.target.tvm_target,
-            host=state.target.host,
-            details=state.target.report.to_details(),
-        ),
-        library=state.target.library_name,
+        libraries=state.libraries,
         functions=state.functions,
         params=state.param_infos,
         tokenizer=state.tokenizer_info,
         task=opts.task,
         embedding=state.embedding,
         checksums=_artifact_checksums(state),
+        weight_sets=state.other_param_infos,
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"
 
 
 def _artifact_checksums(state: CompileState) -> dict:
-    """Size and sha256 of the weight shards, tokenizer files and chat template (see
-    `runtime.integrity`). Not the library: its bytes differ from one build to the next, and
-    the manifest stays byte-identical across compiles of the same input."""
+    """Size and sha256 of every file: the libraries, weight shards, tokenizer files and chat
+    template (see `runtime.integrity`)."""
     info = state.tokenizer_info
-    shards = {p.shard for p in state.param_infos}
-    names = {*shards, *info.files}
+    infos = [*state.param_infos, *(i for s in state.other_param_infos.values() for i in s)]
+    shards = {p.shard for p in infos}
+    names = {*shards, *info.files, *(lib.file for lib in state.libraries)}
     if info.chat_template:
         names.add(info.chat_template)
     names = {n for n in names if (state.work_dir / n).is_file()}

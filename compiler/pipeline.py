@@ -34,10 +34,14 @@ OWNER_FILE = ".tallow-owner.json"  # inside a .partial folder: who is writing it
 @dataclass
 class CompileOptions:
     model: str
-    target: str = "cpu"
+    # One target or several (`--target cuda --target cpu`): one library each, the weights
+    # converted once (`compiler/libraries.py`).
+    target: str | list[str] = "cpu"
     sms: list[int] | None = None  # --target cuda: SM architectures, e.g. [80, 90]
+    cpu: list[str] | None = None  # --target cpu: CPU levels, one library each (default native)
     dtype: str = "f32"
-    quant: str | None = None  # weight format; None: a GGUF keeps its types, floats use dtype
+    quant: str | None = None  # weight mix or format; None: a GGUF keeps its types, floats dtype
+    allow_requantize: bool = False  # --quant may re-encode a GGUF's already quantized weights
     output: Path = Path("artifacts")
     name: str | None = None
     gguf_file: str | None = None
@@ -73,18 +77,49 @@ class CompileState:
     tokenizer_info: Any = None
     functions: list[str] = field(default_factory=list)
     embedding: Any = None  # runtime.manifest.EmbeddingInfo
+    targets: list = field(default_factory=list)  # every TargetSpec, in build order
+    libraries: list = field(default_factory=list)  # runtime.manifest.LibraryInfo, built so far
+    weight_sets: dict = field(default_factory=dict)  # set name -> [ParamSpec]; "main" first
+    other_param_infos: dict = field(default_factory=dict)  # set name -> [ParamInfo] (not main)
 
 
-def _phases() -> list[tuple[str, Callable[[CompileState], str]]]:
+Phase = tuple[str, Callable[[CompileState], str]]
+
+
+def library_phases(targets: list[TargetSpec]) -> list[Phase]:
+    """The phases that build one library, once per target (titled with the target when
+    there are several)."""
     from . import phases
 
-    return [
-        ("read model config", phases.read_config),
+    steps = [
         ("build the model module", phases.build_module),
         ("export functions to Relax", phases.export_functions),
         ("add the token sampler", phases.add_sampler),  # a no-op for --task embed
         ("lower through the Relax pipeline", phases.lower),
         ("build the library", phases.build_library),
+    ]
+    out: list[Phase] = []
+    for spec in targets:
+        for title, step in steps:
+            title = f"{title} ({spec.label})" if len(targets) > 1 else title
+            out.append((title, _for_target(spec, step)))
+    return out
+
+
+def _for_target(spec: TargetSpec, step: Callable[[CompileState], str]):
+    def run(state: CompileState) -> str:
+        state.target = spec
+        return step(state)
+
+    return run
+
+
+def _phases(targets: list[TargetSpec]) -> list[Phase]:
+    from . import phases
+
+    return [
+        ("read model config", phases.read_config),
+        *library_phases(targets),
         ("convert weights", phases.convert_weights),
         ("copy tokenizer and chat template", phases.copy_tokenizer),
         ("write manifest", phases.write_manifest),
@@ -93,8 +128,11 @@ def _phases() -> list[tuple[str, Callable[[CompileState], str]]]:
 
 def compile_model(options: CompileOptions) -> Path:
     """Run every phase; return the artifact folder."""
+    from .libraries import resolve_targets
+
     state = CompileState(options=options, progress=Progress(quiet=options.quiet))
-    phases = _phases()
+    state.targets = resolve_targets(options)
+    phases = _phases(state.targets)
     options.output.mkdir(parents=True, exist_ok=True)
     try:
         for i, (title, phase) in enumerate(phases, start=1):
@@ -122,11 +160,17 @@ def make_work_dir(state: CompileState, name: str) -> None:
             f"{state.final_dir} already exists; pass --overwrite to replace it or --name to "
             f"choose another name"
         )
-    remove_stale_partials(out)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=out))
-    state.work_dir = work
+    state.work_dir = make_partial_dir(out, name)
+
+
+def make_partial_dir(parent: Path, name: str) -> Path:
+    """A private `.NAME.*.partial` folder in `parent` recording its owner (after removing
+    the ones whose compile was killed)."""
+    remove_stale_partials(parent)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent))
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
     (work / OWNER_FILE).write_text(json.dumps(owner), encoding="utf-8")
+    return work
 
 
 def _start_time(pid: int) -> str | None:

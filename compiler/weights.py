@@ -129,8 +129,9 @@ def write_weight_shards(
     checkpoint,
     progress: Progress,
     plan=None,
+    prefix: str = "params",
 ) -> list[ParamInfo]:
-    """Write shards `params_NNNNN.safetensors`; return the manifest's parameter list."""
+    """Write shards `<prefix>_NNNNN.safetensors`; return the manifest's parameter list."""
     infos: list[ParamInfo] = []
     shard: dict[str, np.ndarray] = {}
     shard_bytes = 0
@@ -139,7 +140,7 @@ def write_weight_shards(
     def flush() -> None:
         nonlocal shard, shard_bytes, index
         if shard:
-            save_safetensors(out / f"params_{index:05d}.safetensors", shard, {"format": "tallow"})
+            save_safetensors(out / f"{prefix}_{index:05d}.safetensors", shard, {"format": "tallow"})
             shard, shard_bytes, index = {}, 0, index + 1
 
     for n, (p, arr) in enumerate(_converted(params, weight_map, checkpoint, plan), start=1):
@@ -150,7 +151,7 @@ def write_weight_shards(
         shard[p.name] = arr
         shard_bytes += arr.nbytes
         quant = plan.qtype(p.name) if plan else "none"
-        shard_name = f"params_{index:05d}.safetensors"
+        shard_name = f"{prefix}_{index:05d}.safetensors"
         infos.append(ParamInfo(p.name, list(arr.shape), p.dtype, shard_name, quant))
         progress.counter("weights", n, len(params))
     flush()

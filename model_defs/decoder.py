@@ -15,11 +15,13 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
+from .projections import fused_linear
 from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul
 
 # Parameter name -> GGUF block type ("q4_k", ...) for weights stored quantized; absent or
-# "none" means a plain float weight of the model's dtype.
-QuantTypes = dict[str, str]
+# "none" means a plain float weight of the model's dtype. A fused projection whose parts
+# differ maps to one type per part (see `projections.fused_linear`).
+QuantTypes = dict[str, str | tuple[str, ...]]
 
 # The exported function names, in the order the manifest lists them, per compile task:
 # "generate" (the default) also carries the hidden-state function, so a generation artifact
@@ -62,11 +64,13 @@ class Attention(nn.Module):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        qkv_out = (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
-        # q, k and v share one matmul; the weight converter concatenates the three.
+        q_out, kv_out = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v share one matmul (one per run of parts in one format: see projections);
+        # the weight converter concatenates the three.
         hidden, bias = config.hidden_size, config.attention_bias
-        self.qkv_proj = linear(f"{prefix}.qkv_proj", hidden, qkv_out, bias, dtype, quant)
-        q_out = self.num_q_heads * self.head_dim
+        self.qkv_proj = fused_linear(
+            f"{prefix}.qkv_proj", hidden, [q_out, kv_out, kv_out], bias, dtype, quant, linear
+        )
         self.o_proj = linear(f"{prefix}.o_proj", q_out, hidden, False, dtype, quant)
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(
@@ -94,7 +98,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = linear(f"{prefix}.gate_up_proj", hidden, 2 * inter, False, dtype, quant)
+        self.gate_up_proj = fused_linear(
+            f"{prefix}.gate_up_proj", hidden, [inter, inter], False, dtype, quant, linear
+        )
         self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, False, dtype, quant)
 
     def forward(self, x: Tensor) -> Tensor:

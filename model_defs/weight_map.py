@@ -2,6 +2,8 @@
 
 A `WeightMap` maps each parameter name of our module to the checkpoint tensors it is made
 of: one name, or several concatenated along axis 0 (fused q/k/v and gate/up projections).
+When the parts of a fused weight are stored in different formats, the compiler's weight plan
+splits its entry into runs (`part_runs`, `run_param`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,32 @@ from __future__ import annotations
 from .config import DecoderConfig
 
 WeightMap = dict[str, list[str]]
+
+FLOAT = "none"  # the type of a part stored as a plain float weight of the model's dtype
+
+
+def part_runs(part_types) -> list[tuple[int, int, str]]:
+    """Consecutive parts of one type, as (first part, end part, type), in order: the
+    matmuls of a fused projection whose parts are stored in different formats.
+
+    >>> part_runs(["q5_0", "q5_0", "q8_0"])
+    [(0, 2, 'q5_0'), (2, 3, 'q8_0')]
+    """
+    runs: list[tuple[int, int, str]] = []
+    for i, t in enumerate(part_types):
+        if runs and runs[-1][2] == t:
+            runs[-1] = (runs[-1][0], i + 1, t)
+        else:
+            runs.append((i, i + 1, t))
+    return runs
+
+
+def run_param(fused_param: str, index: int) -> str:
+    """The parameter holding run `index` of the fused weight `fused_param` ("P.weight" ->
+    "P.runs.{index}.weight", the name `projections.SplitProjection` gives it)."""
+    if not fused_param.endswith(".weight"):
+        raise ValueError(f"{fused_param!r}: a fused projection's weight ends in '.weight'")
+    return f"{fused_param.removesuffix('.weight')}.runs.{index}.weight"
 
 
 def dense_decoder_hf_map(config: DecoderConfig) -> WeightMap:

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .devices import DEVICE_KINDS
 from .errors import ArtifactError
 from .integrity import check_at_load
-from .manifest import Manifest
+from .manifest import LibraryInfo, Manifest
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -63,38 +62,50 @@ def load_tokenizer(folder: Path, manifest: Manifest) -> TokenizerBundle:
     )
 
 
-def parse_device(spec: str | None, manifest: Manifest) -> tuple[str, int]:
-    """`cpu`, `cuda:N`, `metal:N`; None picks the artifact's own kind, device 0."""
-    if spec is None:
-        return manifest.target.kind, 0
-    kind, _, index = spec.partition(":")
-    if kind not in DEVICE_KINDS or (index and not index.isdigit()):
-        raise ArtifactError(f"bad device {spec!r}; expected cpu, cuda:N or metal:N")
-    if kind != manifest.target.kind:
-        raise ArtifactError(
-            f"artifact built for {manifest.target.kind}; cannot run it on device {spec!r}"
-        )
-    return kind, int(index or 0)
+def tokenizer_files(manifest: Manifest) -> list[str]:
+    """The tokenizer files and the chat template (small: hashed in full at load)."""
+    info = manifest.tokenizer
+    return [*info.files, *([info.chat_template] if info.chat_template else [])]
 
 
-def check_artifact_files(folder: Path, manifest: Manifest) -> None:
-    lib = folder / manifest.library
+def runtime_files(manifest: Manifest, library: LibraryInfo) -> list[str]:
+    """Every file a load of `library` reads: it, the shards of its weight set, the tokenizer
+    files and the chat template. A hub pull fetches these and nothing else."""
+    shards = {p.shard for p in manifest.params_for(library)}
+    return sorted({*shards, *tokenizer_files(manifest), library.file})
+
+
+def check_artifact_files(
+    folder: Path, manifest: Manifest, library: LibraryInfo | None = None
+) -> None:
+    """The files `library` (default: the artifact's only one) needs are present and undamaged.
+    Other libraries and the weight sets they alone take are not looked at: a download may
+    fetch only the library it runs."""
+    if library is None:
+        if len(manifest.libraries) != 1:
+            raise ArtifactError(f"{folder}: several libraries; say which one to check")
+        library = manifest.libraries[0]
+    lib = folder / library.file
     if not lib.is_file():
-        raise ArtifactError(f"{folder}: compiled library {manifest.library} is missing")
-    for shard in sorted({p.shard for p in manifest.params}):
+        raise ArtifactError(f"{folder}: compiled library {library.file} is missing")
+    params = manifest.params_for(library)
+    for shard in sorted({p.shard for p in params}):
         if not (folder / shard).is_file():
             raise ArtifactError(f"{folder}: weight shard {shard} is missing")
-    # Sizes, the shards' sample hashes, and the small tokenizer/template files in full.
-    info = manifest.tokenizer
-    small = [*info.files, *([info.chat_template] if info.chat_template else [])]
-    check_at_load(folder, manifest.checksums, full=small)
+    # Sizes of what this load reads, the shards' sample hashes, and the small files in full:
+    # tokenizer, template and the library (a few MB: sha256 ran at 0.5 GB/s on a shared
+    # 2-core box). Artifacts from before libraries were recorded skip that entry.
+    recorded = manifest.checksums or {}
+    needed = [name for name in runtime_files(manifest, library) if name in recorded]
+    full = [*tokenizer_files(manifest), library.file]
+    check_at_load(folder, manifest.checksums, full=full, names=needed)
 
 
-def read_weights(folder: Path, manifest: Manifest) -> list[np.ndarray]:
-    """The parameters in the order the library takes them, as mapped arrays."""
+def read_weights(folder: Path, manifest: Manifest, library: LibraryInfo) -> list[np.ndarray]:
+    """The parameters in the order `library` takes them, as mapped arrays."""
     files: dict[str, SafetensorsFile] = {}
     arrays = []
-    for p in manifest.params:
+    for p in manifest.params_for(library):
         try:
             f = files.get(p.shard) or files.setdefault(p.shard, SafetensorsFile(folder / p.shard))
             arr = f.get(p.name)

@@ -63,6 +63,24 @@ def _load_cuda_runtime(tvm, built_for: str) -> None:
         raise ArtifactError(f"cannot load TVM's CUDA runtime {lib.name} ({e})") from e
 
 
+def _load_metal_runtime(tvm, built_for: str) -> None:
+    """Load TVM's Metal device API: in runtime-only mode (`TVM_USE_RUNTIME_LIB=1`, which
+    `tallow serve` sets) only `libtvm_runtime` is loaded, and the apache-tvm macOS arm64 wheel
+    keeps Metal in `libtvm_runtime_metal.dylib` next to it (as Linux keeps CUDA apart)."""
+    if tvm.get_global_func("device_api.metal", allow_missing=True) is not None:
+        return
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_metal.dylib"
+    if not lib.is_file():
+        raise ArtifactError(
+            f"artifact library built for {built_for}; this TVM has no Metal runtime ({lib.name} "
+            f"is not in {lib.parent}): install the apache-tvm macOS arm64 wheel (docs/metal.md)"
+        )
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise ArtifactError(f"cannot load TVM's Metal runtime {lib.name} ({e})") from e
+
+
 @dataclass(frozen=True)
 class DeviceKind:
     name: str  # TVM's device kind, as in the manifest's target
@@ -81,10 +99,10 @@ class DeviceKind:
     single_sequence_decode: bool
     # The runner sizes TVM's CPU thread pool before the first kernel (cpu_threads.py).
     sets_cpu_threads: bool
-    # Key of `manifest.target.details` whose `max_batch_size` bounds the runner's batch
+    # Key of the loaded library's `details` whose `max_batch_size` bounds the runner's batch
     # (CUDA graphs plan batch_decode's memory for a bounded batch), or None.
     batch_bound_detail: str | None = None
-    # Loads what TVM needs before the device exists (the CUDA device API), or None.
+    # Loads what TVM needs before the device exists (the CUDA or Metal device API), or None.
     load_driver: Callable[[object, str], None] | None = None
     # Whether to ask TVM if the device exists (the CPU always does).
     probe: bool = True
@@ -117,6 +135,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         shares_host_memory=False,
         single_sequence_decode=False,
         sets_cpu_threads=False,
+        load_driver=_load_metal_runtime,
     ),
 }
 

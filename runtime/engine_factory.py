@@ -15,6 +15,7 @@ from pathlib import Path
 from .devices import device_kind
 from .engine import Engine
 from .errors import TallowError
+from .library_select import LibraryChoice, choose_library
 from .manifest import Manifest
 from .model_runner import KVCacheConfig, TVMModelRunner
 from .scheduler import SchedulerConfig
@@ -49,13 +50,19 @@ def kv_bytes_per_token(manifest: Manifest) -> int:
     return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
 
 
-def _free_memory(manifest: Manifest, options: EngineOptions) -> int:
+def _free_memory(choice: LibraryChoice) -> int:
     """Memory the weights and the KV cache can share: available RAM, or the GPU's total."""
-    index = int((options.device or "x:0").partition(":")[2] or 0)
-    return device_kind(manifest.target.kind).memory_bytes(index)
+    return device_kind(choice.device).memory_bytes(choice.index)
 
 
-def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int) -> KVPlan:
+def plan_kv_cache(
+    manifest: Manifest,
+    options: EngineOptions,
+    weight_bytes: int,
+    choice: LibraryChoice | None = None,
+) -> KVPlan:
+    """The KV cache's size on the device `choice` runs on (default: `options.device`'s)."""
+    choice = choice or choose_library(manifest, options.device)
     per_token = kv_bytes_per_token(manifest)
     wanted = options.max_num_seqs * manifest.kv_cache.context_window
     if options.kv_cache_mem_mb is not None:
@@ -65,10 +72,10 @@ def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int)
     else:
         fraction = options.memory_fraction
         if fraction is None:
-            fraction = device_kind(manifest.target.kind).default_memory_fraction
+            fraction = device_kind(choice.device).default_memory_fraction
         if not 0 < fraction <= 1:
             raise TallowError(f"--gpu-memory-fraction must be in (0, 1] (got {fraction})")
-        budget = int(fraction * max(0, _free_memory(manifest, options) - weight_bytes))
+        budget = int(fraction * max(0, _free_memory(choice) - weight_bytes))
     tokens = min(budget // per_token, wanted)
     page = manifest.kv_cache.page_size
     tokens = tokens // page * page
@@ -83,15 +90,17 @@ def plan_kv_cache(manifest: Manifest, options: EngineOptions, weight_bytes: int)
 def build_engine(folder: str | Path, options: EngineOptions | None = None) -> Engine:
     options = options or EngineOptions()
     manifest = Manifest.read(Path(folder))
-    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in manifest.params)
-    plan = plan_kv_cache(manifest, options, weight_bytes)
+    choice = choose_library(manifest, options.device)
+    params = manifest.params_for(choice.library)
+    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in params)
+    plan = plan_kv_cache(manifest, options, weight_bytes, choice)
     chunk = options.prefill_chunk_size
     # Prefix-cache entries are live sequences in the KV cache too.
     page = manifest.kv_cache.page_size
     entries = options.prefix_cache_max_tokens // page if options.prefix_cache else 0
     runner = TVMModelRunner(
         folder,
-        device=options.device,
+        device=choice,
         threads=options.threads,
         kv=KVCacheConfig(
             max_batch_size=options.max_num_seqs + entries,

@@ -1,15 +1,20 @@
 """Artifact integrity: checksums recorded at compile time, checked at load and by `tallow verify`.
 
-The manifest's `checksums` maps each weight shard, tokenizer file and chat template to its
-size and sha256; weight shards also get a *sample* hash, the sha256 of a few fixed 1 MiB
-windows (the whole file when it is no larger than those windows). The library is left out:
-its bytes differ from build to build, and a damaged one fails to load by itself.
+The manifest's `checksums` maps every file of the artifact but the manifest itself (weight
+shards, tokenizer files, chat template and the compiled libraries) to its size and sha256;
+weight shards also get a *sample* hash, the sha256 of a few fixed 1 MiB windows (the whole
+file when it is no larger than those windows). A library's bytes differ from build to build,
+so its entry describes this artifact's copy, not the compile's input.
 
-At load, every size is checked, each shard's sample hash is recomputed (a few MiB read per
-shard, whatever its size), and the small tokenizer and template files are hashed in full: a
-truncated file, a damaged header or damage inside a small model's weights is caught before
+At load, the size of every file the load needs is checked (a pulled artifact holds only the
+library its machine uses, so the others are not asked for), each shard's sample hash is
+recomputed (a few MiB read per shard, whatever its size), and the small files (tokenizer,
+template, and the library the load runs) are hashed in full: a truncated file, a changed byte
+in the library, a damaged header or damage inside a small model's weights is caught before
 anything runs. Damage between the windows of a large shard is found by `tallow verify`, which
-hashes every byte. Artifacts compiled before checksums existed load without the checks.
+hashes every byte, and by a hub pull, which hashes what it downloaded before first use
+(`hub_pull`). Artifacts compiled before checksums
+existed load without the checks.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 WINDOW = 1 << 20
 NUM_WINDOWS = 8
 _CHUNK = 1 << 22
+MISSING = "missing"
 
 
 def sha256_file(path: Path) -> str:
@@ -90,43 +96,68 @@ def _entries(checksums: dict) -> list[tuple[str, FileChecksum]]:
     return [(name, FileChecksum.parse(name, raw)) for name, raw in sorted(checksums.items())]
 
 
-def _size_problem(path: Path, want: FileChecksum) -> str | None:
+def size_problem(path: Path, want: FileChecksum) -> str | None:
     if not path.is_file():
-        return "missing"
+        return MISSING
     size = path.stat().st_size
     if size != want.size:
         return f"size {size} bytes, recorded {want.size}"
     return None
 
 
-def check_at_load(folder: Path, checksums: dict | None, full: Iterable[str] = ()) -> None:
-    """Sizes, shards' sample hashes and the full hash of the files in `full` (small ones);
-    raises `ArtifactError` naming the first damaged file."""
+def _selected(checksums: dict, names: Iterable[str] | None) -> list[tuple[str, FileChecksum]]:
+    """The entries of `names` (every recorded file when None); a name the manifest does not
+    record is an error, since nothing could vouch for its contents."""
+    entries = _entries(checksums)
+    if names is None:
+        return entries
+    wanted = set(names)
+    unrecorded = sorted(wanted - {name for name, _ in entries})
+    if unrecorded:
+        raise ArtifactError(
+            f"the manifest records no checksum for {', '.join(unrecorded)}; recompile the model"
+        )
+    return [(name, want) for name, want in entries if name in wanted]
+
+
+def check_at_load(
+    folder: Path,
+    checksums: dict | None,
+    full: Iterable[str] = (),
+    names: Iterable[str] | None = None,
+) -> None:
+    """Sizes of the files in `names` (every recorded file when None), shards' sample hashes
+    and the full hash of the files in `full` (small ones); raises `ArtifactError` naming the
+    first damaged or missing file."""
     if checksums is None:
         log.warning("%s: no checksums recorded (compiled by an older tallow); not checked", folder)
         return
     full = set(full)
-    for name, want in _entries(checksums):
+    for name, want in _selected(checksums, names):
         path = folder / name
-        problem = _size_problem(path, want)
+        problem = size_problem(path, want)
         sampled = want.sample_sha256 is not None
         if problem is None and sampled and sample_sha256(path) != want.sample_sha256:
             problem = "contents differ from the recorded checksum"
         if problem is None and name in full and sha256_file(path) != want.sha256:
             problem = "contents differ from the recorded checksum"
         if problem is not None:
+            state = "is missing" if problem == MISSING else f"is damaged ({problem})"
             raise ArtifactError(
-                f"{folder}: {name} is damaged ({problem}); recompile the model or copy the "
+                f"{folder}: {name} {state}; recompile the model or copy the "
                 f"artifact again (`tallow verify {folder}` checks every file)"
             )
 
 
-def verify(folder: Path, checksums: dict) -> list[tuple[str, str | None]]:
-    """Every recorded file, hashed in full: (name, problem or None)."""
+def verify(
+    folder: Path, checksums: dict, names: Iterable[str] | None = None
+) -> list[tuple[str, str | None]]:
+    """Every file in `names` (every recorded one when None), hashed in full:
+    (name, problem or None)."""
     results = []
-    for name, want in _entries(checksums):
+    for name, want in _selected(checksums, names):
         path = folder / name
-        problem = _size_problem(path, want)
+        problem = size_problem(path, want)
         if problem is None and sha256_file(path) != want.sha256:
             problem = "sha256 differs from the recorded one"
         results.append((name, problem))

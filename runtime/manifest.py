@@ -2,6 +2,10 @@
 
 The compiler writes it; the runtime reads it and needs nothing else to load the artifact
 (the runtime never sees the model's source code).
+
+Format 2 holds several compiled libraries (`libraries`, one per target, under `lib/`) that
+share the weights; `runtime/library_select.py` picks the one a machine runs. A format-1
+manifest (one `target` and one `library`) is read as a one-library artifact.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import yaml
 
 from .errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: one library, migrated on read (`_from_v1`)
+MAIN_WEIGHTS = "main"  # the weight set in `params`
 MANIFEST_NAME = "manifest.yaml"
 
 
@@ -44,10 +50,36 @@ class KVCacheInfo:
 
 @dataclass
 class TargetInfo:
+    """Format 1's single target (read only, to migrate old artifacts)."""
+
     kind: str  # "cpu", "cuda", "metal"
     tvm_target: dict[str, Any]
     host: dict[str, Any] | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LibraryInfo:
+    """One compiled library of the artifact and what a machine needs to run it.
+
+    `platform` is the host code's OS and machine (`linux-x86_64`, `macos-arm64`, as
+    `cpu_features.host_platform()` names the running one). A CPU library lists the CPU
+    features its code uses (`cpu_features`, /proc/cpuinfo names); a CUDA library the SM
+    architectures it holds SASS for (`cuda_archs`). `weights` names the weight set it takes
+    (`main`: the manifest's `params`; others: `Manifest.weight_sets`).
+    """
+
+    file: str  # path inside the artifact, e.g. lib/cpu-x86-64-v3.so
+    device: str  # the runtime's device kind: "cpu", "cuda", "metal"
+    target: str  # what it runs on, in words: "cpu x86-64-v3", "cuda sm_80 sm_90", "metal"
+    platform: str  # host OS and machine of the library's host code, e.g. "linux-x86_64"
+    tvm_target: dict[str, Any]
+    host: dict[str, Any] | None = None
+    cpu_level: str | None = None  # CPU: --cpu level (native, x86-64-v3, ...)
+    cpu_features: list[str] = field(default_factory=list)  # CPU: required features
+    cuda_archs: list[str] = field(default_factory=list)  # CUDA: SASS archs, e.g. sm_80
+    weights: str = MAIN_WEIGHTS
+    details: dict[str, Any] = field(default_factory=dict)  # the compile's BuildReport
 
 
 @dataclass
@@ -99,10 +131,9 @@ class Manifest:
     dtype: str
     quantization: str
     kv_cache: KVCacheInfo
-    target: TargetInfo
-    library: str
+    libraries: list[LibraryInfo]
     functions: list[str]
-    params: list[ParamInfo]
+    params: list[ParamInfo]  # the `main` weight set
     tokenizer: TokenizerInfo
     # "generate" (logits, decode, sampler, and the hidden-state function) or "embed" (the
     # hidden-state function only). Artifacts from before embeddings have neither field.
@@ -111,6 +142,26 @@ class Manifest:
     # file name -> {size, sha256[, sample_sha256]} (see `integrity`); None: an artifact from
     # before checksums were recorded
     checksums: dict[str, dict[str, Any]] | None = None
+    # Weight sets besides `main` (for a target that needs another layout): name -> params.
+    weight_sets: dict[str, list[ParamInfo]] = field(default_factory=dict)
+
+    def params_for(self, library: LibraryInfo) -> list[ParamInfo]:
+        """The parameters `library` takes, in its order."""
+        if library.weights == MAIN_WEIGHTS:
+            return self.params
+        try:
+            return self.weight_sets[library.weights]
+        except KeyError:
+            raise ArtifactError(
+                f"{library.file} takes weight set {library.weights!r}, which the manifest "
+                "does not list"
+            ) from None
+
+    def library(self, file: str) -> LibraryInfo:
+        for lib in self.libraries:
+            if lib.file == file:
+                return lib
+        raise ArtifactError(f"the artifact has no library {file}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False, allow_unicode=True)
@@ -132,28 +183,34 @@ class Manifest:
         if not isinstance(raw, dict):
             raise ArtifactError(f"{path}: not a manifest")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, READABLE_VERSIONS))
             raise ArtifactError(
                 f"{path}: artifact format version {version!r} is not supported by this tallow "
-                f"(it reads version {FORMAT_VERSION}); recompile the model with this tallow"
+                f"(it reads versions {readable}); recompile the model with this tallow"
             )
         try:
+            if version == 1:
+                raw = _from_v1(raw)
             return cls(
-                format_version=version,
+                format_version=FORMAT_VERSION,
                 tallow_version=raw["tallow_version"],
                 tvm_version=raw["tvm_version"],
                 model=ManifestModel(**raw["model"]),
                 dtype=raw["dtype"],
                 quantization=raw["quantization"],
                 kv_cache=KVCacheInfo(**raw["kv_cache"]),
-                target=TargetInfo(**raw["target"]),
-                library=raw["library"],
+                libraries=[LibraryInfo(**lib) for lib in raw["libraries"]],
                 functions=list(raw["functions"]),
                 params=[ParamInfo(**p) for p in raw["params"]],
                 tokenizer=TokenizerInfo(**raw["tokenizer"]),
                 task=raw.get("task", "generate"),
                 embedding=EmbeddingInfo(**raw["embedding"]) if raw.get("embedding") else None,
                 checksums=_checksums(path, raw.get("checksums")),
+                weight_sets={
+                    name: [ParamInfo(**p) for p in params]
+                    for name, params in (raw.get("weight_sets") or {}).items()
+                },
             )
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e
@@ -165,3 +222,27 @@ def _checksums(path: Path, raw: Any) -> dict[str, dict[str, Any]] | None:
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise ArtifactError(f"{path}: checksums must map file names to {{size, sha256}}")
     return raw
+
+
+def _from_v1(raw: dict) -> dict:
+    """A format-1 manifest (one `target`, one `library`) as format 2: one library entry.
+
+    Format 1 recorded no required CPU features: its CPU library (built for the compiling
+    machine's CPU, `--cpu native`) loads without the feature check, as before.
+    """
+    target = TargetInfo(**raw["target"])
+    details = dict(target.details or {})
+    lib = LibraryInfo(
+        file=raw["library"],
+        device=target.kind,
+        target=" ".join([target.kind, *(details.get("archs") or [])]),
+        platform="macos-arm64" if target.kind == "metal" else "linux-x86_64",
+        tvm_target=target.tvm_target,
+        host=target.host,
+        cpu_level="native" if target.kind == "cpu" else None,
+        cuda_archs=list(details.get("archs") or []),
+        details=details,
+    )
+    out = {k: v for k, v in raw.items() if k not in ("target", "library")}
+    out["libraries"] = [dataclasses.asdict(lib)]
+    return out

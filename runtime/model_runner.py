@@ -18,13 +18,13 @@ from .artifact import (
     TokenizerBundle,
     check_artifact_files,
     load_tokenizer,
-    parse_device,
     read_weights,
 )
 from .cpu_threads import configure_cpu_threads
 from .devices import device_kind, open_device
 from .errors import ArtifactError
-from .manifest import Manifest
+from .library_select import LibraryChoice, choose_library
+from .manifest import LibraryInfo, Manifest
 from .model_runner_protocol import SAMPLER_FUNCTION, SamplingControls
 
 # The hidden-state function (compiler/model_defs/decoder.py), and what generation needs.
@@ -52,19 +52,15 @@ def _load_tvm():
     return tvm, tvm_vm
 
 
-def _built_for(manifest: Manifest) -> str:
-    details = manifest.target.details or {}
-    archs = details.get("archs") or ([details["arch"]] if details.get("arch") else [])
-    return " ".join([manifest.target.kind, "/".join(archs)]).strip()
+def _library_path(folder: Path, library: LibraryInfo) -> Path:
+    """The loadable library; a .tar of objects (Metal, cross-compiled CPU code) is linked
+    once on this machine, then cached.
 
-
-def _library_path(folder: Path, manifest: Manifest) -> Path:
-    """The loadable library; a Metal artifact's .tar of objects is linked once, then cached.
-
-    The compiler cannot link a macOS dylib on Linux (docs/metal.md), so the Mac does it on
-    first load with the system compiler, into ~/.cache/tallow/metal/<hash of the tar>/.
+    The compiler cannot link a macOS or an arm64 library on an x86 Linux box without a cross
+    linker (docs/metal.md), so the machine that runs it links it on first load with its
+    system compiler, into ~/.cache/tallow/linked/<hash of the tar>/.
     """
-    lib = folder / manifest.library
+    lib = folder / library.file
     if lib.suffix != ".tar":
         return lib
     import hashlib
@@ -73,9 +69,12 @@ def _library_path(folder: Path, manifest: Manifest) -> Path:
     import tarfile
     import tempfile
 
+    from .cpu_features import host_os
+
     digest = hashlib.sha256(lib.read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tallow" / "metal"
-    out = cache / digest / "model.dylib"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tallow" / "linked"
+    mac = host_os() == "macos"
+    out = cache / digest / ("model.dylib" if mac else "model.so")
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -85,11 +84,12 @@ def _library_path(folder: Path, manifest: Manifest) -> Path:
         objects = sorted(str(p) for p in Path(tmp).iterdir() if p.suffix == ".o")
         cc = os.environ.get("CC") or shutil.which("clang") or shutil.which("cc") or "cc"
         # TVM runtime symbols resolve against the already loaded libtvm_runtime at load time.
-        cmd = [cc, "-dynamiclib", "-undefined", "dynamic_lookup", "-o", f"{tmp}/m.dylib", *objects]
+        link = ["-dynamiclib", "-undefined", "dynamic_lookup"] if mac else ["-shared"]
+        cmd = [cc, *link, "-o", f"{tmp}/{out.name}", *objects]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ArtifactError(f"linking {lib.name} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(f"{tmp}/m.dylib", out)
+        os.replace(f"{tmp}/{out.name}", out)
     return out
 
 
@@ -126,28 +126,37 @@ class TVMModelRunner:
     def __init__(
         self,
         folder: str | Path,
-        device: str | None = None,
+        device: str | LibraryChoice | None = None,
         kv: KVCacheConfig | None = None,
         threads: int | None = None,
     ):
         self.folder = Path(folder)
         self.manifest = Manifest.read(self.folder)
-        check_artifact_files(self.folder, self.manifest)
-        kind, index = parse_device(device, self.manifest)
-        self.device_kind = device_kind(kind)
+        # `device`: auto (None), cpu, cuda[:N], metal[:N], or a choice already made.
+        if isinstance(device, LibraryChoice):
+            choice = device
+        else:
+            choice = choose_library(self.manifest, device)
+        log.info("library %s (%s)", choice.path, choice.why)
+        self.library = library = choice.library
+        check_artifact_files(self.folder, self.manifest, library)
+        self.device_kind = device_kind(choice.device)
         if self.device_kind.sets_cpu_threads:
             configure_cpu_threads(threads)  # before the first kernel runs
         tvm, tvm_vm = _load_tvm()
         self._tvm = tvm
-        self.device = open_device(tvm, self.device_kind, index, _built_for(self.manifest))
+        self.device = open_device(tvm, self.device_kind, choice.index, library.target)
         try:
-            lib = tvm.runtime.load_module(str(_library_path(self.folder, self.manifest)))
+            # tvm_ffi's loader, not tvm.runtime.load_module: that one resolves symlinks and
+            # takes the format from the target's suffix, which a hub cache's blob lacks.
+            import tvm_ffi
+
+            lib = tvm_ffi.load_module(str(_library_path(self.folder, library)))
         except Exception as e:  # TVM raises its own error types
-            raise ArtifactError(f"cannot load {self.manifest.library}: {e}") from e
+            raise ArtifactError(f"cannot load {library.file}: {e}") from e
         self.vm = tvm_vm.VirtualMachine(lib, self.device)
-        self.params = [
-            tvm.runtime.tensor(a, self.device) for a in read_weights(self.folder, self.manifest)
-        ]
+        weights = read_weights(self.folder, self.manifest, library)
+        self.params = [tvm.runtime.tensor(a, self.device) for a in weights]
         self.tokenizer: TokenizerBundle = load_tokenizer(self.folder, self.manifest)
 
         cfg = self.manifest.model.config
@@ -159,7 +168,7 @@ class TVMModelRunner:
         # CUDA artifacts plan batch_decode's memory for a bounded batch (CUDA graphs).
         bound = None
         if self.device_kind.batch_bound_detail is not None:
-            details = (self.manifest.target.details or {}).get(self.device_kind.batch_bound_detail)
+            details = (library.details or {}).get(self.device_kind.batch_bound_detail)
             bound = (details or {}).get("max_batch_size")
         if bound and kv.max_batch_size > int(bound):
             log.info("max batch %d capped to the compiled bound %d", kv.max_batch_size, bound)
@@ -331,14 +340,25 @@ class TVMModelRunner:
         return logits
 
 
-def all_position_logits(runner: TVMModelRunner, tokens: list[int], seq_id: int = 0) -> np.ndarray:
-    """Float32 logits after every token of `tokens` (for perplexity), chunk by chunk."""
+def all_position_logits(
+    runner: TVMModelRunner, tokens: list[int], seq_id: int = 0, start: int = 0
+) -> np.ndarray:
+    """Float32 logits after every token of `tokens[start:]` (for perplexity), chunk by chunk.
+
+    The tokens before `start` are context only: they run through the model, but no logits are
+    computed for them (`tallow eval` scores the second half of each window)."""
     runner.add_sequence(seq_id)
     out = []
     try:
-        for start in range(0, len(tokens), runner.prefill_chunk_size):
-            chunk = tokens[start : start + runner.prefill_chunk_size]
-            out += runner.forward_prompt_logits([(seq_id, chunk)])
+        for begin in range(0, len(tokens), runner.prefill_chunk_size):
+            chunk = tokens[begin : begin + runner.prefill_chunk_size]
+            first = min(max(0, start - begin), len(chunk) - 1)  # the kernels need one position
+            positions = np.arange(first, len(chunk), dtype=np.int32)
+            logits = runner._run([(seq_id, chunk)], positions)
+            if begin + len(chunk) > start:
+                out.append(logits.numpy().reshape(len(positions), runner.vocab_size))
     finally:
         runner.remove_sequence(seq_id)
+    if not out:
+        return np.zeros((0, runner.vocab_size), dtype=np.float32)
     return np.concatenate(out, axis=0)

@@ -25,9 +25,23 @@ def static_extent(extent) -> int | None:
 
 def register_lanes(target, dtype: str) -> int:
     """`dtype` lanes in one vector register of `target` (256 bits without a target), at most 16."""
-    bits = tvm.target.codegen.llvm_get_vector_width(target) if target else 256
+    bits = register_bits(target) if target else 256
     lanes = max(1, int(bits) // tvm.DataType(dtype).bits)
     return min(lanes, 16)
+
+
+def register_bits(target) -> int:
+    """The vector register width of `target`'s instruction set. TVM's `llvm_get_vector_width`
+    answers 512 for `mcpu: x86-64-v3` too (an AVX2 level, seen with TVM 0.27), so the target's
+    own features bound it: the kernels of a portable library are shaped for its level."""
+    bits = int(tvm.target.codegen.llvm_get_vector_width(target))
+    for feature, width in (("avx512f", 512), ("avx", 256)):
+        try:
+            if tvm.target.codegen.target_has_features(feature, target):
+                return min(bits, width)
+        except Exception:  # noqa: BLE001 - an LLVM target without x86 features
+            break
+    return min(bits, 128)  # SSE, NEON
 
 
 # --- float32 math without libm -----------------------------------------------------------

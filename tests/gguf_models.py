@@ -45,6 +45,22 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def quantized_tensor(arr: np.ndarray, qtype: str):
+    """(uint8 blocks, GGML type) of `arr` in block type `qtype`, quantized as llama.cpp does:
+    by the `gguf` package's own quantizer where it has one (the legacy types), else by
+    tallow's numpy codec (the K-quants, which gguf can only dequantize)."""
+    import gguf
+
+    from tallow.compiler.quant import QUANT_FORMATS, quantize
+
+    ggml_type = QUANT_FORMATS[qtype].ggml_type
+    try:
+        blocks = gguf.quants.quantize(arr, ggml_type)
+    except NotImplementedError:
+        blocks = quantize(arr, qtype)
+    return np.ascontiguousarray(blocks, np.uint8), ggml_type
+
+
 def write_gguf(
     model_dir: Path,
     out: Path,
@@ -53,8 +69,12 @@ def write_gguf(
     permute_qk: bool = False,
     extra_tensors: dict[str, np.ndarray] | None = None,
     split_max_tensors: int = 0,
+    tensor_types: dict[str, str] | None = None,
 ) -> Path:
-    """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer."""
+    """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer.
+
+    `tensor_types` maps GGUF tensor names to block types (tallow's names: "q5_0", "q4k"):
+    those tensors are written quantized (`quantized_tensor`), the others float32."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -96,7 +116,12 @@ def write_gguf(
         if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             arr = llama_cpp_permute(arr, heads)
-        writer.add_tensor(gguf_name(name), arr)
+        qtype = (tensor_types or {}).get(gguf_name(name))
+        if qtype is None:
+            writer.add_tensor(gguf_name(name), arr)
+        else:
+            blocks, ggml_type = quantized_tensor(arr, qtype)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=ggml_type)
     for name, arr in (extra_tensors or {}).items():
         writer.add_tensor(name, arr)
     writer.write_header_to_file()

@@ -49,8 +49,11 @@ def test_manifest_records_every_file(art):
     m = Manifest.read(art)
     assert m.checksums is not None
     shards = {p.shard for p in m.params}
+    # Every file but the manifest itself: weights, tokenizer, template and the libraries.
+    on_disk = {str(p.relative_to(art)) for p in art.rglob("*") if p.is_file()}
+    assert set(m.checksums) == on_disk - {"manifest.yaml"}
     assert shards | {"tokenizer.json", "chat_template.jinja"} <= set(m.checksums)
-    assert m.library not in m.checksums  # differs build to build
+    assert {lib.file for lib in m.libraries} <= set(m.checksums)
     for name, entry in m.checksums.items():
         assert entry["size"] == (art / name).stat().st_size
         assert entry["sha256"] == integrity.sha256_file(art / name)
@@ -142,3 +145,40 @@ def test_sample_windows_cover_a_large_file(tmp_path):
     before = integrity.sample_sha256(big)
     _damage(big, offsets[3] + 100, b"\x01" * 4096)  # inside a window: caught
     assert integrity.sample_sha256(big) != before
+
+
+def _flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+
+
+DAMAGE = {"flipped byte": _flip_byte, "truncated": _truncate, "missing": Path.unlink}
+# The checks name each file the way the manifest does; a library is one of them.
+FILES = {"weights": lambda m: m.params[0].shard, "library": lambda m: m.libraries[0].file}
+FILES["tokenizer"] = lambda m: "tokenizer.json"
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("which", FILES)
+def test_each_damage_fails_verify_and_load_naming_the_file(art, capsys, which, damage):
+    from tallow.cli.main import main
+
+    m = Manifest.read(art)
+    name = FILES[which](m)
+    DAMAGE[damage](art / name)
+    assert main(["verify", str(art)]) == 1
+    out, err = capsys.readouterr()
+    bad = [ln for ln in out.splitlines() if ln.startswith("BAD")]
+    assert len(bad) == 1 and bad[0].startswith(f"BAD {name}:"), out
+    assert ("missing" in bad[0]) == (damage == "missing")
+    assert f"1 damaged file(s): {name}" in err
+    with pytest.raises(ArtifactError, match=f"{name} (is missing|is damaged)"):
+        check_artifact_files(art, m)

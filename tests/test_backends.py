@@ -53,14 +53,14 @@ def test_cpu_resolution():
     assert spec.backend is get_backend("cpu") and spec.kind == "cpu"
     assert spec.tvm_target["kind"] == "llvm" and spec.host is None
     assert spec.tvm_target["mcpu"] == spec.report.mcpu
-    assert spec.suffix == "cpu" and spec.library_name == "model.so"
+    assert spec.suffix == "cpu" and spec.library_name == f"lib/cpu-{spec.report.mcpu}.so"
 
 
 def test_cuda_resolution():
     spec = resolve_target("cuda", "bf16", [120, 86])
     assert spec.tvm_target["arch"] == "sm_86"  # scheduled for the lowest requested arch
     assert spec.report.archs == ["sm_86", "sm_120"] and spec.report.scheduled_for == "sm_86"
-    assert spec.suffix == "cuda-sm_86-sm_120" and spec.library_name == "model.so"
+    assert spec.suffix == "cuda-sm_86-sm_120" and spec.library_name == "lib/cuda-sm_86-sm_120.so"
     assert resolve_target("cuda", "f16").report.archs == ["sm_90"]  # the default arch
 
 
@@ -68,7 +68,7 @@ def test_metal_resolution():
     spec = resolve_target("metal", "f32")
     assert spec.tvm_target == {"kind": "metal"}
     assert spec.host == {"kind": "llvm", "mtriple": "arm64-apple-macos"}
-    assert spec.suffix == "metal" and spec.library_name == "model.tar"
+    assert spec.suffix == "metal" and spec.library_name == "lib/metal-arm64.tar"
 
 
 @pytest.mark.parametrize(
@@ -142,8 +142,8 @@ class CPUDebugBackend(CPUBackend):
 
     name = "cpu-debug"
 
-    def make_spec(self, dtype, sms):
-        spec = super().make_spec(dtype, sms)
+    def make_spec(self, dtype, sms, cpu=None):
+        spec = super().make_spec(dtype, sms, cpu)
         spec.report = DebugReport(**vars(spec.report))
         return spec
 
@@ -191,8 +191,9 @@ def test_made_up_target_compiles_and_runs(
     folder = compile_model(opts)
     assert folder.name.endswith("-cpu-debug")
     manifest = Manifest.read(folder)
-    assert manifest.target.kind == "cpu" and manifest.library == "model.so"
-    details = manifest.target.details
+    (lib,) = manifest.libraries
+    assert lib.device == "cpu" and lib.file == f"lib/cpu-debug-{lib.details['mcpu']}.so"
+    details = lib.details
     assert details["tir_kernels"] > 10  # its own pass ran and its report reached the manifest
     assert details["mcpu"] == resolve_target("cpu", "f32").report.mcpu  # the CPU facts too
     # The same kernels as the cpu target's: the runtime loads it and decodes the same tokens.

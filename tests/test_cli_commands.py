@@ -45,7 +45,7 @@ def test_inspect_prints_the_manifest(capsys, art):
     printed = yaml.safe_load(out)
     assert printed == yaml.safe_load((art / "manifest.yaml").read_text())
     assert printed["model"]["architecture"] == "Qwen3ForCausalLM"
-    assert printed["kv_cache"]["page_size"] == 16 and printed["target"]["kind"] == "cpu"
+    assert printed["kv_cache"]["page_size"] == 16 and printed["libraries"][0]["device"] == "cpu"
 
 
 def test_compile_name_context_window_and_overwrite(capsys, tiny_model_dir, tmp_path):

@@ -46,16 +46,18 @@ def assert_clean_failure(capsys, out_dir: Path, argv: list[str], message: str) -
 def test_artifact_layout(tiny_artifact):
     art = tiny_artifact("qwen3", "f32")
     names = {p.name for p in art.iterdir()}
-    assert {"manifest.yaml", "model.so", "tokenizer.json", "chat_template.jinja"} <= names
+    assert {"manifest.yaml", "lib", "tokenizer.json", "chat_template.jinja"} <= names
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["model"]["architecture"] == "Qwen3ForCausalLM"
     assert manifest["model"]["config"]["head_dim"] == 32
     assert "model.safetensors" in manifest["model"]["source_files"]
     assert len(manifest["model"]["source_files"]["model.safetensors"]) == 64  # sha256 hex
     assert manifest["kv_cache"]["page_size"] == 16
     assert manifest["kv_cache"]["dtype"] == "float32"
-    assert manifest["target"]["kind"] == "cpu"
+    (library,) = manifest["libraries"]
+    assert library["device"] == "cpu" and library["cpu_level"] == "native"
+    assert (art / library["file"]).is_file() and library["file"].startswith("lib/cpu-")
     assert manifest["functions"] == [
         "embed",
         "prefill",
@@ -87,10 +89,16 @@ def test_compile_twice_is_byte_identical(tiny_model_dir, tmp_path):
         )
     (a,) = (tmp_path / "a").iterdir()
     (b,) = (tmp_path / "b").iterdir()
-    compared = [p.name for p in a.iterdir() if p.suffix in (".yaml", ".safetensors")]
-    assert "manifest.yaml" in compared and any(n.startswith("params_") for n in compared)
+    compared = [p.name for p in a.iterdir() if p.suffix == ".safetensors"]
+    assert any(n.startswith("params_") for n in compared)
     for name in compared:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    # The manifests match but for the libraries' checksums: their bytes differ build to build.
+    ma, mb = (yaml.safe_load((x / "manifest.yaml").read_text()) for x in (a, b))
+    for m in (ma, mb):
+        for lib in m["libraries"]:
+            assert m["checksums"].pop(lib["file"])["size"] > 0
+    assert ma == mb
 
 
 @pytest.mark.slow

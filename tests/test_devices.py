@@ -47,3 +47,24 @@ def test_runtime_imports_no_compiler():
                 assert not name.startswith(("..compiler", "..model_defs", "..schedules")), (
                     f"{path.name} imports {name}"
                 )
+
+
+def test_metal_without_its_runtime_library_says_which_file(tmp_path):
+    """Runtime-only TVM on a Mac loads Metal from libtvm_runtime_metal.dylib; a TVM build
+    without it (here: Linux's) is one line naming the file, not "no METAL device"."""
+    import types
+
+    registered: set[str] = set()
+    fake_tvm = types.SimpleNamespace(
+        __file__=str(tmp_path / "tvm" / "__init__.py"),
+        get_global_func=lambda name, allow_missing=False: name if name in registered else None,
+    )
+    load = device_kind("metal").load_driver
+    with pytest.raises(ArtifactError, match="libtvm_runtime_metal.dylib is not in .*docs/metal.md"):
+        load(fake_tvm, "metal (macos-arm64)")
+    (tmp_path / "tvm" / "lib").mkdir(parents=True)
+    (tmp_path / "tvm" / "lib" / "libtvm_runtime_metal.dylib").write_bytes(b"not a library")
+    with pytest.raises(ArtifactError, match="cannot load TVM's Metal runtime"):
+        load(fake_tvm, "metal (macos-arm64)")
+    registered.add("device_api.metal")  # already there (TVM loaded it itself): nothing to do
+    load(fake_tvm, "metal (macos-arm64)")

@@ -30,14 +30,14 @@ def test_cuda_target_spec():
     assert spec.tvm_target["arch"] == "sm_80"  # scheduled for the lowest requested arch
     assert spec.details["archs"] == ["sm_80", "sm_90"]
     assert spec.host == {"kind": "llvm"}
-    assert spec.library_name == "model.so" and spec.suffix == "cuda-sm_80-sm_90"
+    assert spec.library_name == "lib/cuda-sm_80-sm_90.so" and spec.suffix == "cuda-sm_80-sm_90"
     assert str(spec.tvm().kind.name) == "cuda"
 
 
 def test_metal_target_spec():
     spec = resolve_target("metal", "f16")
     assert spec.host == {"kind": "llvm", "mtriple": "arm64-apple-macos"}
-    assert spec.library_name == "model.tar"
+    assert spec.library_name == "lib/metal-arm64.tar"
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_cli_accepts_gpu_targets():
     args = build_parser().parse_args(
         ["compile", "--model", "x", "--target", "cuda", "--sm", "80", "--sm", "90"]
     )
-    assert args.target == "cuda" and args.sms == [80, 90]
+    assert args.target == ["cuda"] and args.sms == [80, 90]
 
 
 # --- slow: real compiles --------------------------------------------------------------------
@@ -90,8 +90,13 @@ def _check_cuda_artifact(folder: Path, sms: list[int], tmp_path: Path) -> None:
     from tallow.compiler.cuda_build import fatbin_entries
 
     m = Manifest.read(folder)
-    assert m.target.kind == "cuda" and m.library == "model.so"
-    details = m.target.details
+    (lib,) = m.libraries
+    assert (
+        lib.device == "cuda"
+        and lib.file == "lib/cuda-" + "-".join(f"sm_{sm}" for sm in sms) + ".so"
+    )
+    assert lib.cuda_archs == [f"sm_{sm}" for sm in sms]
+    details = lib.details
     assert details["archs"] == [f"sm_{sm}" for sm in sms]
     assert details["nvcc"] and details["nvcc"] != "missing"
     assert details["schedules"]["rules"]["Matmul"] >= 1
@@ -102,11 +107,11 @@ def _check_cuda_artifact(folder: Path, sms: list[int], tmp_path: Path) -> None:
     tc = details["schedules"]["tensor_core"]
     assert tc["target_has_tensor_cores"] and not tc["tensorized_kernels"]
     assert all("<= 64" in k["reason"] for k in tc["matmul_kernels_without_tensor_cores"])
-    entries = fatbin_entries(folder / "model.so")
+    entries = fatbin_entries(folder / lib.file)
     assert sorted(entries) == [("sass", sm) for sm in sms]  # SASS only, exactly these archs
     tool = _cuobjdump()
     if tool:  # an independent reading: extract the fatbin, list its ELF images
-        data = (folder / "model.so").read_bytes()
+        data = (folder / lib.file).read_bytes()
         start = data.find(bytes.fromhex("50ed55ba"))
         size = int.from_bytes(data[start + 8 : start + 16], "little") + 16
         fatbin = tmp_path / "kernels.fatbin"
@@ -129,7 +134,7 @@ def test_cuda_artifact(tiny_model_dir, tmp_path, sm):
         "from tallow.runtime.model_runner import TVMModelRunner\n"
         "from tallow.runtime.errors import ArtifactError\n"
         "try:\n"
-        f"    TVMModelRunner({str(folder)!r})\n"
+        f"    TVMModelRunner({str(folder)!r}, device='cuda')\n"
         "except ArtifactError as e:\n"
         "    print('ERROR', e)\n"
     )
@@ -140,17 +145,19 @@ def test_cuda_artifact(tiny_model_dir, tmp_path, sm):
         env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"},
         timeout=120,
     )
-    assert f"ERROR artifact built for cuda sm_{sm}" in proc.stdout, proc.stdout + proc.stderr
-    assert "no CUDA" in proc.stdout
+    out = proc.stdout
+    assert "ERROR cannot run on cuda: no CUDA driver or GPU found" in out, out + proc.stderr
+    assert f"the artifact has: cuda sm_{sm} (lib/cuda-sm_{sm}.so)" in out
 
 
 @pytest.mark.slow
 def test_metal_artifact(tiny_model_dir, tmp_path):
     folder = _compile(tiny_model_dir("qwen3"), tmp_path, "metal")
     m = Manifest.read(folder)
-    assert m.library == "model.tar" and m.target.host["mtriple"] == "arm64-apple-macos"
-    assert m.target.details["shaders"] > 10
-    with tarfile.open(folder / "model.tar") as tar:
+    (lib,) = m.libraries
+    assert lib.file == "lib/metal-arm64.tar" and lib.host["mtriple"] == "arm64-apple-macos"
+    assert lib.details["shaders"] > 10 and lib.platform == "macos-arm64"
+    with tarfile.open(folder / lib.file) as tar:
         objects = {i.name: tar.extractfile(i).read() for i in tar.getmembers() if i.isfile()}
     assert objects and all(name.endswith(".o") for name in objects)
     assert all(data[:8] == MACHO_ARM64 for data in objects.values())  # arm64 Mach-O objects
@@ -174,4 +181,4 @@ def test_tensor_cores_qwen3_0_6b_shape(tmp_path):
     assert details["tensor_core_in_source"] is True  # wmma::mma_sync in the CUDA source
     from tallow.compiler.cuda_build import fatbin_entries
 
-    assert fatbin_entries(tmp_path / "model.so") == [("sass", 90)]
+    assert fatbin_entries(tmp_path / info["library"]) == [("sass", 90)]

@@ -276,7 +276,8 @@ def test_decode_logits_close_to_prefill(tiny_model_dir, tmp_path):
 
     src = tiny_model_dir("qwen3")
     art = compile_model(CompileOptions(model=str(src), quant="q4_0", output=tmp_path, quiet=True))
-    details = yaml.safe_load((art / "manifest.yaml").read_text())["target"]["details"]
+    (library,) = yaml.safe_load((art / "manifest.yaml").read_text())["libraries"]
+    details = library["details"]
     assert details["decode_activations"] == "int8_g32_row_step"
     assert details["int8_decode_kernels"] > 0
     runner = TVMModelRunner(art, kv=KVCacheConfig(2, 256, 16))

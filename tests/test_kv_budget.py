@@ -70,7 +70,7 @@ def test_budget_capped_at_max_num_seqs_full_windows(manifest, kv):
 
 def test_budget_from_free_memory_and_fraction(manifest, kv, monkeypatch):
     free, weights = 64 * MB, 10 * MB
-    monkeypatch.setattr(engine_factory, "_free_memory", lambda m, o: free)
+    monkeypatch.setattr(engine_factory, "_free_memory", lambda choice: free)
     plan = plan_kv_cache(manifest, EngineOptions(max_num_seqs=512, memory_fraction=0.01), weights)
     budget = int(0.01 * (free - weights))
     assert plan.budget_bytes == budget

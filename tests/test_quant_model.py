@@ -33,13 +33,41 @@ def manifest_of(artifact) -> dict:
     return yaml.safe_load((artifact / "manifest.yaml").read_text())
 
 
-OURS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj":
-        "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+def stored_types(manifest: dict, src) -> dict[str, str]:
+    """{source tensor: the type the artifact stores it in}, read from the manifest. A fused
+    weight split into runs of one type (`P.runs.{i}.weight`) gives each run's type to the
+    parts whose rows it holds."""
+    import json
+
+    from safetensors import safe_open
+
+    from tallow.model_defs.registry import get_architecture
+    from tallow.model_defs.weight_map import run_param
+
+    cfg = json.loads((src / "config.json").read_text())
+    arch = get_architecture(cfg)
+    stored = {p["name"]: p for p in manifest["params"]}
+    with safe_open(src / "model.safetensors", "np") as f:
+        rows = {n: f.get_slice(n).get_shape()[0] for n in f.keys()}  # noqa: SIM118
+    out = {}
+    for param, parts in arch.hf_weight_map(arch.config_from_hf(cfg)).items():
+        if param in stored:
+            out.update((s, stored[param]["quant"]) for s in parts)
+            continue
+        left, i = list(parts), 0
+        while left:
+            run, held = stored[run_param(param, i)], 0
+            while held < run["shape"][0]:
+                out[left[0]] = run["quant"]
+                held += rows[left.pop(0)]
+            i += 1
+    return out
 
 
 def dequantized_twin(src, dst, types: dict[str, str]):
     """A copy of an HF model folder whose weights are what the quantized artifact holds:
-    quantized by the types the manifest lists, decoded by gguf's own dequantizer."""
+    each tensor quantized to its type in `types` (`stored_types`), decoded by gguf's own
+    dequantizer."""
     import shutil
 
     import gguf
@@ -48,9 +76,7 @@ def dequantized_twin(src, dst, types: dict[str, str]):
     shutil.copytree(src, dst)
     weights = load_file(src / "model.safetensors")
     for name, w in weights.items():
-        module = name.rsplit(".", 2)[-2]
-        ours = name.replace(module, OURS.get(module, module))
-        qtype = types.get(ours, "none")
+        qtype = types.get(name, "none")
         if qtype != "none":
             blocks = quantize(w.astype(np.float32), qtype)
             weights[name] = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type)
@@ -58,21 +84,44 @@ def dequantized_twin(src, dst, types: dict[str, str]):
     return dst
 
 
+def assert_types_are_the_mix(stored: dict[str, str], src, mix: str) -> None:
+    """Each source tensor is stored in the type the mix gives it (the mixes are checked
+    against llama.cpp in test_quant_mixes)."""
+    from gguf_models import gguf_name
+    from safetensors import safe_open
+
+    from tallow.compiler.quant.mixes import MIXES
+
+    with safe_open(src / "model.safetensors", "np") as f:
+        shapes = {gguf_name(n): f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118
+    want = MIXES[mix].types(shapes)
+    assert stored == {n: want.get(gguf_name(n), "none") for n in stored}
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4k"])
 def test_quant_on_float_model(quant, tiny_model_dir, tmp_path):
     """qwen2 (q/k/v bias on a quantized matmul) quantized with --quant equals, to float32
     rounding, the float model built from the same weights decoded by gguf's dequantizer.
-    Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, as llama.cpp does."""
+    Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, q6k to q8_0, as
+    llama.cpp does; q4k is the mix q4k_m (its head, last attn_v and ffn_down in q6k)."""
     src = tiny_model_dir("qwen2")
     art = compile_model(CompileOptions(model=str(src), quant=quant, output=tmp_path, quiet=True))
     m = manifest_of(art)
-    assert m["quantization"] == quant
+    mix = {"q4k": "q4k_m"}.get(quant, quant)
+    assert m["quantization"] == mix and mix in art.name
+    stored = stored_types(m, src)
+    assert_types_are_the_mix(stored, src, mix)
     types = {p["name"]: p["quant"] for p in m["params"]}
+    assert types["lm_head.weight"] == "q8_0"  # the head: q6k, its fallback at 64 columns
+    assert types["model.layers.1.mlp.down_proj.weight"] == ("q8_0" if mix == "q4k_m" else mix)
+    if mix == "q4k_m":  # layer 1's attn_v q6k -> q8_0 beside q/k q5_0: two runs, quantized
+        qkv = "model.layers.1.self_attn.qkv_proj"
+        assert (types[f"{qkv}.runs.0.weight"], types[f"{qkv}.runs.1.weight"]) == ("q5_0", "q8_0")
     expected = {"q8_0": "q8_0", "q4_0": "q4_0", "q4k": "q5_0"}[quant]
     assert types["model.layers.0.self_attn.qkv_proj.weight"] == expected
     assert types["model.layers.0.self_attn.qkv_proj.bias"] == "none"
     assert types["model.layers.0.input_layernorm.weight"] == "none"
-    twin = dequantized_twin(src, tmp_path / "twin", types)
+    twin = dequantized_twin(src, tmp_path / "twin", stored)
     ref = logits_of(compile_model(CompileOptions(model=str(twin), output=tmp_path, quiet=True)))
     got = logits_of(art)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

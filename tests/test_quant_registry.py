@@ -48,8 +48,11 @@ def test_gguf_reader_accepts_exactly_the_registered_types():
 
 
 def test_cli_quant_names_are_the_registry(capsys):
-    assert quant_format_names() == ("f32", "f16", "bf16", *QUANT_FORMATS)
-    assert quant_choices() == quant_format_names()
+    names = quant_format_names()
+    assert names[:3] == ("f32", "f16", "bf16") and quant_choices() == names
+    # every registered format can be asked for alone (FORMAT:all), and names a mix too
+    assert {f"{f}:all" for f in QUANT_FORMATS} <= set(names)
+    assert all(f in names for f in QUANT_FORMATS)
     with pytest.raises(SystemExit):
         main(["compile", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping

@@ -57,6 +57,16 @@ CONFIGS = {
         "tie_word_embeddings": False,
         "rope_theta": 1000000.0,
     },
+    # Rows of 256 weights (hidden 256, FFN 512): room for K-quant blocks in every matrix.
+    "qwen2_wide": {
+        **BASE,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+    },
     "qwen3": {
         **BASE,
         "architectures": ["Qwen3ForCausalLM"],

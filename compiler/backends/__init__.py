@@ -1,9 +1,9 @@
 """Compile targets as backend objects, one module per target, found by name in `BACKENDS`.
 
-`cpu` (LLVM, the build machine's CPU), `cuda` (SASS for one or more SM architectures, built
-without a driver) and `metal` (Apple GPUs; host objects linked on the Mac). `rocm` and
-`vulkan` have no backend yet: each would be one more module here, likely a `GPUBackend`
-subclass (`gpu.py`) with its own build step, registered below.
+`cpu` (LLVM, for a `--cpu` level or the build machine's CPU), `cuda` (SASS for one or more SM
+architectures, built without a driver) and `metal` (Apple GPUs; host objects linked on the
+Mac). `rocm` and `vulkan` have no backend yet: each would be one more module here, likely a
+`GPUBackend` subclass (`gpu.py`) with its own build step, registered below.
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ def get_backend(name: str) -> TargetBackend:
         ) from None
 
 
-def resolve_target(name: str, dtype: str, sms: list[int] | None = None) -> TargetSpec:
-    """The `TargetSpec` for `--target name --dtype dtype [--sm ...]`, or a `TargetError`."""
-    return get_backend(name).resolve(dtype, sms)
+def resolve_target(
+    name: str, dtype: str, sms: list[int] | None = None, cpu: str | None = None
+) -> TargetSpec:
+    """The `TargetSpec` for `--target name --dtype dtype [--sm ...] [--cpu LEVEL]`, or a
+    `TargetError`."""
+    return get_backend(name).resolve(dtype, sms, cpu)
 
 
 def _register_builtin() -> None:

@@ -67,6 +67,9 @@ class TargetSpec:
     tvm_target: dict[str, Any]
     host: dict[str, Any] | None = None
     report: BuildReport = field(default_factory=BuildReport)
+    platform: str = "linux-x86_64"  # OS and machine the host code runs on
+    cpu_level: str | None = None  # CPU: the --cpu level
+    cpu_features: list[str] = field(default_factory=list)  # CPU: features its code may use
 
     def tvm(self):
         import tvm
@@ -87,7 +90,14 @@ class TargetSpec:
 
     @property
     def library_name(self) -> str:
-        return self.backend.library_name
+        """The library's path in the artifact, named by what it runs on
+        (`lib/cpu-x86-64-v3.so`, `lib/cuda-sm_80-sm_90.so`, `lib/metal-arm64.tar`)."""
+        return f"lib/{self.backend.library_stem(self)}{self.backend.library_ext(self)}"
+
+    @property
+    def label(self) -> str:
+        """What the library runs on, in words (the manifest's `libraries[].target`)."""
+        return self.backend.target_label(self)
 
     @property
     def details(self) -> dict[str, Any]:
@@ -102,8 +112,8 @@ class TargetBackend(ABC):
 
     name: ClassVar[str]  # what `--target` says, the key in `BACKENDS`
     device: ClassVar[str] = ""  # manifest `target.kind` (the runtime's device); default: name
-    library_name: ClassVar[str] = "model.so"  # the library's file name in the artifact
     accepts_sms: ClassVar[bool] = False  # whether `--sm` applies
+    accepts_cpu_level: ClassVar[bool] = False  # whether `--cpu` applies
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -112,7 +122,9 @@ class TargetBackend(ABC):
             cls.device = cls.name
 
     # --- target resolution ----------------------------------------------------------------
-    def resolve(self, dtype: str, sms: list[int] | None = None) -> TargetSpec:
+    def resolve(
+        self, dtype: str, sms: list[int] | None = None, cpu: str | None = None
+    ) -> TargetSpec:
         """Check the options and build the spec (`check_dtype`, then `make_spec`)."""
         if dtype not in DTYPES:
             raise TargetError(
@@ -123,19 +135,32 @@ class TargetBackend(ABC):
 
             takes = ", ".join(n for n, b in BACKENDS.items() if b.accepts_sms)
             raise TargetError(f"--sm applies to --target {takes} only")
+        if cpu and not self.accepts_cpu_level:
+            raise TargetError("--cpu applies to --target cpu only")
         self.check_dtype(dtype)
-        return self.make_spec(dtype, sms)
+        return self.make_spec(dtype, sms, cpu)
 
     def check_dtype(self, dtype: str) -> None:
         """Raise `TargetError` when this target cannot run `dtype` (default: all of DTYPES)."""
         return None
 
     @abstractmethod
-    def make_spec(self, dtype: str, sms: list[int] | None) -> TargetSpec:
+    def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         """The TVM target (and host) for checked options, with the report's first facts."""
 
     def artifact_suffix(self, spec: TargetSpec) -> str:
         return self.name
+
+    def library_stem(self, spec: TargetSpec) -> str:
+        """The library's file name without extension: what it runs on."""
+        return self.artifact_suffix(spec)
+
+    def library_ext(self, spec: TargetSpec) -> str:
+        """`.so`, or `.tar` for objects linked on the running machine (no linker here)."""
+        return ".so"
+
+    def target_label(self, spec: TargetSpec) -> str:
+        return self.library_stem(spec).replace("-", " ", 1)
 
     # --- Relax pipeline hooks (see compiler/relax_pipeline.py for where each one runs) -----
     def prepare_for_lowering(self, mod, spec: TargetSpec):

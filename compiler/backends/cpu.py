@@ -1,4 +1,6 @@
-"""The CPU target: LLVM code for the build machine's CPU, exported as one shared library.
+"""The CPU target: LLVM code for a CPU level (`--cpu`, `compiler/cpu_levels.py`; default the
+build machine's own CPU), exported as one shared library (or a .tar of objects for a machine
+of another architecture, linked there at first load).
 
 Relax additions: SiLU with a polynomial exp in place of libm's (`fast_silu_pass.py`), on x86
 CPUs with AVX2 the int8-activation kernels for decode's quantized matmuls
@@ -10,21 +12,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..cpu_levels import LEVELS, required_features, resolve_level
 from .base import BuildReport, TargetBackend, TargetSpec
 
 
 class CPUBackend(TargetBackend):
     name = "cpu"
+    accepts_cpu_level = True
 
-    def make_spec(self, dtype: str, sms: list[int] | None) -> TargetSpec:
-        cpu = _host_cpu()
-        tvm_target = {"kind": "llvm", "mcpu": cpu}
-        if _has_sse4a(cpu):
-            # AMD's SSE4a `insertq`, which LLVM picks to build a vector from 16-bit loads, is
-            # legacy-encoded: between AVX instructions it stalled the column decode kernel
-            # (q4_0, 16 sequences: 1.30 ms with it, 0.45 ms without).
-            tvm_target["mattr"] = ["-sse4a"]
-        return TargetSpec(self, tvm_target, report=BuildReport(mcpu=cpu))
+    def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
+        level = resolve_level(cpu)
+        target = dict(level.tvm_target)
+        return TargetSpec(
+            self,
+            target,
+            report=BuildReport(mcpu=target.get("mcpu", "generic")),
+            platform=level.platform,
+            cpu_level=level.name,
+            cpu_features=required_features(target, level.platform),
+        )
+
+    def artifact_suffix(self, spec: TargetSpec) -> str:
+        return self.name if spec.cpu_level == "native" else f"{self.name}-{spec.cpu_level}"
+
+    def library_stem(self, spec: TargetSpec) -> str:
+        # native: named by the CPU it was tuned for (cpu-znver4); a level by the level.
+        if spec.cpu_level == "native":
+            return f"{self.name}-{spec.report.mcpu}"
+        return f"{self.name}-{spec.cpu_level}"
+
+    def library_ext(self, spec: TargetSpec) -> str:
+        linked_here = spec.cpu_level == "native" or LEVELS[spec.cpu_level].linked_here
+        return ".so" if linked_here else ".tar"
+
+    def target_label(self, spec: TargetSpec) -> str:
+        if spec.cpu_level == "native":
+            return f"cpu native ({spec.report.mcpu})"
+        return f"cpu {spec.cpu_level}"
 
     def passes_before_fusion(self, spec: TargetSpec, target) -> list:
         from ..fast_silu_pass import fast_silu
@@ -76,19 +100,3 @@ class CPUBackend(TargetBackend):
         from tallow.schedules.cpu import int8_vnni
 
         return int8_vnni.supported(target)
-
-
-def _host_cpu() -> str:
-    import tvm
-
-    get = tvm.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
-    return str(get()) if get is not None else "generic"
-
-
-def _has_sse4a(cpu: str) -> bool:
-    from tvm.target import Target, codegen
-
-    try:
-        return bool(codegen.target_has_features("sse4a", Target({"kind": "llvm", "mcpu": cpu})))
-    except Exception:  # noqa: BLE001 - an LLVM without x86 support has no such feature
-        return False

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tallow.runtime.cpu_features import host_platform
 from tallow.runtime.errors import TargetError
 
 from .base import BuildReport, TargetSpec
@@ -32,7 +33,7 @@ class CUDABackend(GPUBackend):
     name = "cuda"
     accepts_sms = True
 
-    def make_spec(self, dtype: str, sms: list[int] | None) -> TargetSpec:
+    def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         sms = sorted(set(sms or [90]))
         bad = [sm for sm in sms if sm not in CUDA_SMS]
         if bad:
@@ -57,10 +58,14 @@ class CUDABackend(GPUBackend):
             },
             host={"kind": "llvm"},  # generic x86-64 host code: runs on any GPU server's CPU
             report=BuildReport(archs=archs, scheduled_for=archs[0]),
+            platform=host_platform(),
         )
 
     def artifact_suffix(self, spec: TargetSpec) -> str:
         return "cuda-" + "-".join(spec.report.archs)
+
+    def target_label(self, spec: TargetSpec) -> str:
+        return "cuda " + " ".join(spec.report.archs)
 
     def has_tensor_cores(self, target) -> bool:
         arch = str(target.attrs.get("arch", ""))

@@ -18,21 +18,28 @@ HOST_FORMAT = "tar of arm64 Mach-O objects, linked on the Mac at load"
 
 class MetalBackend(GPUBackend):
     name = "metal"
-    library_name = "model.tar"
 
     def check_dtype(self, dtype: str) -> None:
         if dtype == "bf16":
             raise TargetError("bf16 is not supported on metal; use --dtype f16 or f32")
 
-    def make_spec(self, dtype: str, sms: list[int] | None) -> TargetSpec:
+    def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         return TargetSpec(
             self,
             tvm_target={"kind": "metal"},
             host={"kind": "llvm", "mtriple": "arm64-apple-macos"},
-            report=BuildReport(
-                host_format="tar of arm64 Mach-O objects, linked on the Mac at load"
-            ),
+            report=BuildReport(host_format=HOST_FORMAT),
+            platform="macos-arm64",
         )
+
+    def library_stem(self, spec: TargetSpec) -> str:
+        return "metal-arm64"
+
+    def library_ext(self, spec: TargetSpec) -> str:
+        return ".tar"
+
+    def target_label(self, spec: TargetSpec) -> str:
+        return "metal (Apple silicon)"
 
     def has_tensor_cores(self, target) -> bool:
         return True  # simdgroup matrices (Apple7+ GPUs)
