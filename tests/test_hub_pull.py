@@ -21,7 +21,7 @@ import pytest
 import yaml
 from hub_cache import artifact_files, write_cached_repo
 from huggingface_hub import constants
-from server_helpers import free_port
+from server_helpers import start_process
 
 from tallow.cli.main import main
 from tallow.runtime.errors import ArtifactError
@@ -180,22 +180,10 @@ def test_a_malformed_reference_fails_while_parsing(capsys):
 def test_serve_a_hub_artifact_from_the_cache(published, hub_env):
     """A subprocess with only the environment: HF_HOME and HF_HUB_OFFLINE honoured."""
     cache_as_pulled(published, Path(hub_env["HF_HOME"]))
-    port = free_port()
-    cmd = [sys.executable, "-m", "tallow.cli.main", "serve", f"hf://{REPO}", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--kv-cache-mem", "8", "--no-ui"], env=hub_env, stderr=subprocess.PIPE, text=True
-    )
-    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tallow.cli.main", "serve", f"hf://{REPO}", "--port", "0"]
+    server = start_process([*cmd, "--kv-cache-mem", "8", "--no-ui"], env=hub_env)
+    proc, base = server.proc, server.base_url
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["tiny-qwen3"]
         body = {"model": "tiny-qwen3", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
