@@ -1,7 +1,8 @@
 """Figures for one artifact with several libraries (issue 25).
 
     python benchmarks/multitarget.py compile --model DIR_OR_GGUF --out /tmp/mt
-    python benchmarks/multitarget.py decode ARTIFACT [--rounds 5] [--tokens 64]
+    python benchmarks/multitarget.py decode ARTIFACT [--rounds 5] [--tokens 64] [--threads N] \\
+        [--batch 1]
 
 `compile`: the wall and CPU time of one three-target compile (cpu x86-64-v3, cuda sm_80 +
 sm_90, metal) against three single-target compiles of the same model, each a fresh
@@ -56,7 +57,7 @@ def run_compile(model: str, out: Path) -> dict:
     return result
 
 
-def run_decode(artifact: Path, rounds: int, tokens: int) -> dict:
+def run_decode(artifact: Path, rounds: int, tokens: int, threads: int | None, batch: int) -> dict:
     from tallow.runtime.library_select import LibraryChoice
     from tallow.runtime.manifest import Manifest
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
@@ -66,20 +67,24 @@ def run_decode(artifact: Path, rounds: int, tokens: int) -> dict:
     for lib in manifest.libraries:
         if lib.device == "cpu":
             choice = LibraryChoice(lib, "cpu", 0, "benchmark")
-            runners[lib.target] = TVMModelRunner(artifact, choice, KVCacheConfig(1, 1024, 256))
+            kv = KVCacheConfig(batch, 1024 * batch, 256)
+            runners[lib.target] = TVMModelRunner(artifact, choice, kv, threads=threads)
     prompt = runners[next(iter(runners))].tokenizer.tokenizer.encode("The capital of France is")
     speeds: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(rounds):
         for name, runner in runners.items():  # interleaved: the machine's noise hits all
-            seq = r
-            runner.add_sequence(seq)
-            logits = runner.forward([(seq, prompt.ids)])
-            token = int(logits[0].argmax())
+            seqs = [r * batch + i for i in range(batch)]
+            for seq in seqs:
+                runner.add_sequence(seq)
+            logits = runner.forward([(seq, prompt.ids) for seq in seqs])
+            next_ids = [int(row.argmax()) for row in logits]
             t = time.perf_counter()
             for _ in range(tokens):
-                token = int(runner.forward([(seq, [token])])[0].argmax())
-            speeds[name].append(tokens / (time.perf_counter() - t))
-            runner.remove_sequence(seq)
+                logits = runner.forward([(s, [tok]) for s, tok in zip(seqs, next_ids, strict=True)])
+                next_ids = [int(row.argmax()) for row in logits]
+            speeds[name].append(batch * tokens / (time.perf_counter() - t))
+            for seq in seqs:
+                runner.remove_sequence(seq)
     return {
         name: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x) for x in v]}
         for name, v in speeds.items()
@@ -96,11 +101,18 @@ def main() -> None:
     d.add_argument("artifact", type=Path)
     d.add_argument("--rounds", type=int, default=5)
     d.add_argument("--tokens", type=int, default=64)
+    d.add_argument("--threads", type=int, help="CPU threads (default: every usable CPU)")
+    d.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     args = ap.parse_args()
     if args.cmd == "compile":
         print(json.dumps(run_compile(args.model, args.out), indent=1))
     else:
-        print(json.dumps(run_decode(args.artifact, args.rounds, args.tokens), indent=1))
+        print(
+            json.dumps(
+                run_decode(args.artifact, args.rounds, args.tokens, args.threads, args.batch),
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

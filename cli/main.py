@@ -412,6 +412,9 @@ def _run_serve(args) -> int:
         request_timeout=args.request_timeout,
     )
     name = args.served_model_name or Path(folder).resolve().name
+    library = getattr(engine.runner, "library", None)  # which of the artifact's libraries
+    if library is not None:
+        print(f"library {library.file} ({library.target})", file=sys.stderr, flush=True)
     print(f"serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     return serve(engine, name, options, args.host, args.port)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .errors import ArtifactError
 from .integrity import check_at_load
+from .library_select import files_for
 from .manifest import LibraryInfo, Manifest
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
@@ -84,17 +85,9 @@ def check_artifact_files(
     small = [*info.files, *([info.chat_template] if info.chat_template else [])]
     checksums = manifest.checksums
     if checksums is not None:
-        unused = _files_of_other_libraries(manifest, library)
-        checksums = {name: v for name, v in checksums.items() if name not in unused}
+        needed = set(files_for(manifest, library))
+        checksums = {name: v for name, v in checksums.items() if name in needed}
     check_at_load(folder, checksums, full=small)
-
-
-def _files_of_other_libraries(manifest: Manifest, library: LibraryInfo) -> set[str]:
-    """The other libraries' files and the shards only other weight sets use."""
-    others = {lib.file for lib in manifest.libraries if lib.file != library.file}
-    used = {p.shard for p in manifest.params_for(library)}
-    sets = [manifest.params, *manifest.weight_sets.values()]
-    return others | {p.shard for params in sets for p in params if p.shard not in used}
 
 
 def read_weights(folder: Path, manifest: Manifest, library: LibraryInfo) -> list[np.ndarray]:

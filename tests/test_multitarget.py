@@ -133,6 +133,24 @@ def test_devices_choose_among_the_libraries(three):
     assert str(err.value) == f"cannot run on metal: Metal needs a Mac; the artifact has: {has}"
 
 
+def test_a_machine_needs_only_its_own_library(three, tmp_path):
+    """What a download fetches (`files_for`), and an artifact holding only that loads."""
+    from tallow.runtime.artifact import check_artifact_files
+    from tallow.runtime.library_select import files_for
+
+    art, hashes, _ = three
+    m = Manifest.read(art)
+    common = sorted([*hashes, "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"])
+    for lib in m.libraries:
+        assert files_for(m, lib) == sorted([lib.file, *common])
+    copy = Path(shutil.copytree(art, tmp_path / "cpu-only"))
+    for gone in (CUDA_LIB, METAL_LIB):
+        (copy / gone).unlink()
+    check_artifact_files(copy, m, m.library(CPU_LIB))  # the others' checksums are not asked
+    with pytest.raises(ArtifactError, match=f"compiled library {CUDA_LIB} is missing"):
+        check_artifact_files(copy, m, m.library(CUDA_LIB))
+
+
 def test_a_cpu_below_the_level_is_refused_with_one_line(three, capsys, monkeypatch):
     art, _, _ = three
     avx_less = cpu_features.host_features() - {"avx", "avx2", "fma"}
