@@ -88,7 +88,8 @@ def _add_compile(sub) -> None:
         type=Path,
         metavar="ARTIFACT",
         help="add the --target libraries to this existing artifact; its weights are not "
-        "rewritten (the model source is read for its config only)",
+        "rewritten (the model source is read for its config only; dtype, weight formats, "
+        "task and context window are the artifact's)",
     )
     p.add_argument(
         "--sm",
