@@ -4,7 +4,7 @@
         --out /tmp/q8
     python benchmarks/compile_shape.py --preset qwen3-0.6b --target cpu --dtype f16 --out /tmp/q06
 
-Writes `<out>/model.so` (or model.tar for metal) and `<out>/shape.json` (config, parameter
+Writes `<out>/lib/<target>.so` (a .tar for metal) and `<out>/shape.json` (config, parameter
 names/shapes/dtypes in library order, target details), which `gpu_check.py` uses to make
 random weights on the GPU machine. Used for compile-time numbers and for the GPU check.
 """

@@ -75,7 +75,7 @@ def run_generate(args) -> int:
     sys.stdout.write(detok.flush() + "\n")
     sys.stdout.flush()
     print(
-        f"load {load_seconds:.2f}s | prompt {stats.prompt_tokens} tokens, "
+        f"load {load_seconds:.2f}s ({runner.library.file}) | prompt {stats.prompt_tokens} tokens, "
         f"{stats.prefill_tok_s:.1f} tok/s | generated {stats.generated_tokens} tokens, "
         f"{stats.decode_tok_s:.1f} tok/s | finish: {stats.finish_reason}",
         file=sys.stderr,

@@ -99,7 +99,8 @@ def _add_compile(sub) -> None:
         type=Path,
         metavar="ARTIFACT",
         help="add the --target libraries to this existing artifact; its weights are not "
-        "rewritten (the model source is read for its config only)",
+        "rewritten (the model source is read for its config only; dtype, weight formats, "
+        "task and context window are the artifact's)",
     )
     p.add_argument(
         "--sm",
@@ -454,6 +455,9 @@ def _run_serve(args) -> int:
         request_timeout=args.request_timeout,
     )
     name = args.served_model_name or _served_name(args.artifact, folder)
+    library = getattr(engine.runner, "library", None)  # which of the artifact's libraries
+    if library is not None:
+        print(f"library {library.file} ({library.target})", file=sys.stderr, flush=True)
     return serve(engine, name, options, args.host, args.port)  # says "serving ..." once bound
 
 

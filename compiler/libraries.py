@@ -14,6 +14,7 @@ from __future__ import annotations
 from tallow.runtime.errors import TargetError
 from tallow.runtime.manifest import MAIN_WEIGHTS, LibraryInfo
 
+from .backends import get_backend
 from .backends.base import TargetSpec
 from .target import resolve_target
 
@@ -48,14 +49,10 @@ def resolve_targets(options) -> list[TargetSpec]:
 
 
 def _takes_cpu_level(name: str) -> bool:
-    from .backends import get_backend
-
     return get_backend(name).accepts_cpu_level
 
 
 def _takes_sms(name: str) -> bool:
-    from .backends import get_backend
-
     return get_backend(name).accepts_sms
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .errors import ArtifactError
 from .integrity import check_at_load
+from .library_select import files_for
 from .manifest import LibraryInfo, Manifest
 from .safetensors_io import SafetensorsError, SafetensorsFile
 
@@ -68,13 +69,6 @@ def tokenizer_files(manifest: Manifest) -> list[str]:
     return [*info.files, *([info.chat_template] if info.chat_template else [])]
 
 
-def runtime_files(manifest: Manifest, library: LibraryInfo) -> list[str]:
-    """Every file a load of `library` reads: it, the shards of its weight set, the tokenizer
-    files and the chat template. A hub pull fetches these and nothing else."""
-    shards = {p.shard for p in manifest.params_for(library)}
-    return sorted({*shards, *tokenizer_files(manifest), library.file})
-
-
 def check_artifact_files(
     folder: Path, manifest: Manifest, library: LibraryInfo | None = None
 ) -> None:
@@ -96,7 +90,7 @@ def check_artifact_files(
     # tokenizer, template and the library (a few MB: sha256 ran at 0.5 GB/s on a shared
     # 2-core box). Artifacts from before libraries were recorded skip that entry.
     recorded = manifest.checksums or {}
-    needed = [name for name in runtime_files(manifest, library) if name in recorded]
+    needed = [name for name in files_for(manifest, library) if name in recorded]
     full = [*tokenizer_files(manifest), library.file]
     check_at_load(folder, manifest.checksums, full=full, names=needed)
 

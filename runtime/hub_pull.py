@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .errors import ArtifactError
 from .integrity import MISSING, FileChecksum, sha256_file, size_problem
+from .library_select import files_for
 from .manifest import MANIFEST_NAME, LibraryInfo, Manifest
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,9 @@ def library_for_device(manifest: Manifest, device: str | None, **machine) -> Lib
 def files_for_device(device: str | None, **machine) -> FileChooser:
     """What serving or generating on `device` reads: the weights, the tokenizer, the chat
     template and the one library chosen for this machine."""
-    from .artifact import runtime_files  # numpy and safetensors: only when pulling
 
     def choose(manifest: Manifest) -> list[str]:
-        return runtime_files(manifest, library_for_device(manifest, device, **machine))
+        return files_for(manifest, library_for_device(manifest, device, **machine))
 
     return choose
 

@@ -95,6 +95,17 @@ def choose_library(
     raise ArtifactError(f"no library of this artifact runs here ({'; '.join(problems)})")
 
 
+def files_for(manifest: Manifest, library: LibraryInfo) -> list[str]:
+    """Every file a machine running `library` needs, besides `manifest.yaml`: the library,
+    the shards of its weight set, the tokenizer files and chat template (what a download
+    fetches; the other libraries and weight sets stay behind)."""
+    info = manifest.tokenizer
+    names = {library.file, *(p.shard for p in manifest.params_for(library)), *info.files}
+    if info.chat_template:
+        names.add(info.chat_template)
+    return sorted(names)
+
+
 def _has(manifest: Manifest) -> str:
     listed = ", ".join(f"{lib.target} ({lib.file})" for lib in manifest.libraries)
     return f"the artifact has: {listed}"

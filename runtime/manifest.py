@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .cpu_features import host_platform
 from .errors import ArtifactError
 
 FORMAT_VERSION = 2
@@ -236,7 +237,8 @@ def _from_v1(raw: dict) -> dict:
         file=raw["library"],
         device=target.kind,
         target=" ".join([target.kind, *(details.get("archs") or [])]),
-        platform="macos-arm64" if target.kind == "metal" else "linux-x86_64",
+        # Unrecorded: assume the machine reading it, as format 1 loaded without checks.
+        platform="macos-arm64" if target.kind == "metal" else host_platform(),
         tvm_target=target.tvm_target,
         host=target.host,
         cpu_level="native" if target.kind == "cpu" else None,

@@ -185,7 +185,7 @@ def test_made_up_target_compiles_and_runs(
     from tallow.runtime.sampling_params import SamplingParams
 
     args = build_parser().parse_args(["compile", "--model", "x", "--target", "cpu-debug"])
-    assert args.target == "cpu-debug"  # the CLI offers it while it is registered
+    assert args.target == ["cpu-debug"]  # the CLI offers it while it is registered
     opts = CompileOptions(model=str(tiny_model_dir("qwen3")), target="cpu-debug", output=tmp_path)
     opts.quiet = True
     folder = compile_model(opts)

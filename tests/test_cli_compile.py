@@ -93,12 +93,13 @@ def test_compile_twice_is_byte_identical(tiny_model_dir, tmp_path):
     assert any(n.startswith("params_") for n in compared)
     for name in compared:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    # The manifests match but for the libraries' checksums: their bytes differ build to build.
-    ma, mb = (yaml.safe_load((x / "manifest.yaml").read_text()) for x in (a, b))
-    for m in (ma, mb):
+    # The manifest too, but for the library's checksum: LLVM's instruction order differs by a
+    # few bytes from one build to the next (seen with TVM 0.27), so its sha256 does.
+    manifests = [yaml.safe_load((d / "manifest.yaml").read_text()) for d in (a, b)]
+    for m in manifests:
         for lib in m["libraries"]:
             assert m["checksums"].pop(lib["file"])["size"] > 0
-    assert ma == mb
+    assert manifests[0] == manifests[1]
 
 
 @pytest.mark.slow
