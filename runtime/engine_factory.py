@@ -35,6 +35,9 @@ class EngineOptions:
     prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
     threads: int | None = None  # CPU kernel threads; None: every usable CPU
+    # Batch-invariant outputs: a request's tokens and logprobs the same bits whatever runs
+    # beside it (docs/cpu-kernels.md#deterministic-mode); no prefix cache.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
         ),
     )
     runner.max_batch_size = options.max_num_seqs
+    runner.batch_invariant = options.deterministic
     log.warning(
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
@@ -114,6 +118,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
         prefill_chunk_size=chunk,
         enable_prefix_cache=options.prefix_cache,
         prefix_cache_max_tokens=options.prefix_cache_max_tokens,
+        deterministic=options.deterministic,
     )
     tok = runner.tokenizer
     return Engine(

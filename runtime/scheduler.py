@@ -62,6 +62,9 @@ class SchedulerConfig:
     # Steps a blocked waiting head may be overtaken by other requests before admission
     # turns strict FCFS until it is admitted.
     max_overtake_steps: int = 32
+    # Batch-invariant outputs (`--deterministic`): every token computed the same way whatever
+    # else runs (see `_schedule_chunk`); turns the prefix cache off.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,12 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         if self.config.prefill_chunk_size < 1:
             raise ValueError("prefill_chunk_size must be positive")
+        # Deterministic prefill chunks end at multiples of this (see `_schedule_chunk`).
+        self.chunk_grid = min(self.config.prefill_chunk_size, self.max_num_batched_tokens)
         self.kv = KVCacheManager(
             runner,
-            enable_prefix_cache=self.config.enable_prefix_cache,
+            # a match would start a prefill at the match's length, not on the chunk grid
+            enable_prefix_cache=self.config.enable_prefix_cache and not self.config.deterministic,
             prefix_cache_max_tokens=self.config.prefix_cache_max_tokens,
         )
         self.waiting: deque[SequenceState] = deque()
@@ -205,7 +211,8 @@ class Scheduler:
             kv.plan_append(s, 1, with_forks=True)
             out.items.append(ScheduledItem(s, [s.token_ids[-1]], sample=True))
             s.num_computed_tokens += 1
-            budget -= 1
+            # deterministic: the decodes run as a forward of their own (runner.forward)
+            budget -= 0 if self.config.deterministic else 1
             out.num_decode_tokens += 1
         scheduled = {s.seq_id for s in decodes}
 
@@ -266,11 +273,20 @@ class Scheduler:
     def _schedule_chunk(self, out: SchedulerOutput, s: SequenceState, budget: int) -> int:
         kv = self.kv
         pending = s.num_pending_tokens
-        chunk = min(pending, self.config.prefill_chunk_size, budget, kv.token_room(s))
-        if chunk == pending and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > (
-            kv.num_free_pages()
-        ):
-            chunk -= 1  # the fork copies do not fit yet; finish the prompt next step
+        if self.config.deterministic:
+            chunk = self._fixed_chunk(s)
+            fits = chunk <= min(budget, kv.token_room(s))
+            if not fits or (
+                chunk == pending
+                and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > kv.num_free_pages()
+            ):
+                return budget  # the whole chunk next step
+        else:
+            chunk = min(pending, self.config.prefill_chunk_size, budget, kv.token_room(s))
+            if chunk == pending and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > (
+                kv.num_free_pages()
+            ):
+                chunk -= 1  # the fork copies do not fit yet; finish the prompt next step
         if chunk <= 0:
             return budget
         sample = chunk == pending
@@ -280,6 +296,20 @@ class Scheduler:
         s.num_computed_tokens += chunk
         out.num_prefill_tokens += chunk
         return budget - chunk
+
+    def _fixed_chunk(self, s: SequenceState) -> int:
+        """The next chunk of `s` in deterministic mode, whatever the budget.
+
+        A prompt token's attention merges the chunk's own rows with the cached ones before
+        it, so its numbers depend on where its chunk starts: prompts go in chunks ending on
+        multiples of `chunk_grid` (or at the prompt's end). Generated tokens being recomputed
+        after a preemption go one at a time, through the decode kernels that first made them
+        (`runner.forward` keeps single tokens apart).
+        """
+        c = s.num_computed_tokens
+        if c >= s.prompt_len:
+            return 1
+        return min(s.prompt_len, (c // self.chunk_grid + 1) * self.chunk_grid) - c
 
     def _admit(self, s: SequenceState) -> bool:
         """Give `s` KV (from the prefix cache when it can) if its prompt will fit."""
