@@ -104,6 +104,8 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     )
     runner.max_batch_size = options.max_num_seqs
     runner.batch_invariant = options.deterministic
+    if options.deterministic:
+        _warn_if_not_batch_invariant(manifest)
     log.warning(
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
@@ -124,3 +126,15 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     return Engine(
         runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
     )
+
+
+def _warn_if_not_batch_invariant(manifest: Manifest) -> None:
+    """Deterministic mode is checked on CPU artifacts with AVX-512 VNNI decode tiles; AVX2
+    tiles change their summation order at 8 sequences (row to column tiles), and the float
+    and GPU kernels have not been checked."""
+    details = manifest.target.details or {}
+    tiles = details.get("int8_decode_tiles")
+    if manifest.target.kind == "cpu" and tiles == "avx512-vnni":
+        return
+    what = f"{manifest.target.kind} artifact, decode tiles {tiles or 'none'}"
+    log.warning("--deterministic: batch invariance is not checked for this artifact (%s)", what)

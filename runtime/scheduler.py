@@ -235,15 +235,22 @@ class Scheduler:
         blocked: set[str] = set()
         admitted = 0
         share = max(1, budget // len(groups))
-        for leftover in (False, True):  # each group's equal share, then what is left
+        # each group's equal share, then what is left; deterministic: whole chunks in turn
+        # order (the group first in turn gets the whole budget, so every chunk runs in time)
+        passes = (True,) if self.config.deterministic else (False, True)
+        for leftover in passes:
             for g in groups:
                 if budget <= 0:
                     break
                 allowance = budget if leftover else min(share, budget)
                 left = allowance
                 while left > 0 and g.prefilling:
-                    left = self._schedule_chunk(out, g.prefilling.pop(0), left)
-                while left > 0 and g.waiting and g.key not in blocked:
+                    after = self._schedule_chunk(out, g.prefilling[0], left)
+                    if after == left and self.config.deterministic:
+                        break  # its whole chunk waits for a larger allowance (or the next step)
+                    g.prefilling.pop(0)
+                    left = after
+                while left > 0 and g.waiting and g.key not in blocked and not g.prefilling:
                     s = g.waiting[0]
                     if (strict and s is not head) or not self._try_admit(s):
                         blocked.add(g.key)
@@ -251,7 +258,10 @@ class Scheduler:
                     g.waiting.pop(0)
                     self.waiting.remove(s)
                     admitted += 1
-                    left = self._schedule_chunk(out, s, left)
+                    after = self._schedule_chunk(out, s, left)
+                    if after == left and self.config.deterministic:
+                        g.prefilling.append(s)  # admitted; its first chunk in the next pass
+                    left = after
                 budget -= allowance - left
         if head is not None:
             self._note_overtakes(head, blocked, admitted)
