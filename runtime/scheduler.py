@@ -24,6 +24,10 @@ grow without a reservation; when they would run the cache dry the scheduler firs
 manager evict idle prefix-cache entries, then preempts the newest running sequences by
 recompute: their KV is freed and they go back to the head of the waiting queue with prompt +
 generated tokens to prefill again, which is invisible in outputs.
+
+Deterministic mode (`SchedulerConfig.deterministic`) keeps each token's numbers independent
+of the batch: whole prompt chunks on a fixed grid, generated tokens recomputed one at a time,
+no prefix cache (`_fixed_chunk`; docs/cpu-kernels.md#deterministic-mode).
 """
 
 from __future__ import annotations
