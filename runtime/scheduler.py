@@ -23,7 +23,8 @@ admitted and a small reserve fit in the free pages, so prefills never run dry mi
 grow without a reservation; when they would run the cache dry the scheduler first has the KV
 manager evict idle prefix-cache entries, then preempts the newest running sequences by
 recompute: their KV is freed and they go back to the head of the waiting queue with prompt +
-generated tokens to prefill again, which is invisible in outputs.
+generated tokens to prefill again (outputs equal up to float rounding: prefill and decode
+round differently; bitwise in deterministic mode).
 
 Deterministic mode (`SchedulerConfig.deterministic`) keeps each token's numbers independent
 of the batch: whole prompt chunks on a fixed grid, generated tokens recomputed one at a time,
