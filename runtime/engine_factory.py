@@ -105,7 +105,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     runner.max_batch_size = options.max_num_seqs
     runner.batch_invariant = options.deterministic
     if options.deterministic:
-        _warn_if_not_batch_invariant(manifest)
+        _warn_if_not_batch_invariant(runner)
     log.warning(
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
@@ -128,13 +128,15 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     )
 
 
-def _warn_if_not_batch_invariant(manifest: Manifest) -> None:
-    """Deterministic mode is checked on CPU artifacts with AVX-512 VNNI decode tiles; AVX2
+def _warn_if_not_batch_invariant(runner: TVMModelRunner) -> None:
+    """Deterministic mode is checked on CPU libraries with AVX-512 VNNI decode tiles; AVX2
     tiles change their summation order at 8 sequences (row to column tiles), and the float
     and GPU kernels have not been checked."""
-    details = manifest.target.details or {}
-    tiles = details.get("int8_decode_tiles")
-    if manifest.target.kind == "cpu" and tiles == "avx512-vnni":
+    # the library the runner loaded (artifacts with several), else the artifact's target
+    library = getattr(runner, "library", None) or runner.manifest.target
+    tiles = (library.details or {}).get("int8_decode_tiles")
+    kind = runner.device_kind.name
+    if kind == "cpu" and tiles == "avx512-vnni":
         return
-    what = f"{manifest.target.kind} artifact, decode tiles {tiles or 'none'}"
+    what = f"{kind} library, decode tiles {tiles or 'none'}"
     log.warning("--deterministic: batch invariance is not checked for this artifact (%s)", what)
