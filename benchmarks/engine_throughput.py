@@ -7,6 +7,8 @@ and the per-step host overhead outside the compiled functions.
 the host instead of the artifact's compiled sampler (for a side-by-side run). `--baseline`
 names a second artifact (say, one built before a change) that runs interleaved with the first,
 round by round, and gets its own table: the two are compared under the same load.
+`--deterministic` runs every configuration twice, interleaved, in the normal and in the
+deterministic (batch-invariant) mode, one table each.
 
 Prints one table; the ratio column is aggregate throughput over single-request throughput.
 This machine's shared cores make single runs vary by 20% or more, so the concurrency levels
@@ -46,9 +48,16 @@ def _timed(fn, total: list[float]):
 
 
 def run(
-    artifact: str, concurrency: int, max_tokens: int, prompt_len: int, sampling: str, host: bool
+    artifact: str,
+    concurrency: int,
+    max_tokens: int,
+    prompt_len: int,
+    sampling: str,
+    host: bool,
+    deterministic: bool = False,
 ) -> dict:
-    engine = build_engine(artifact, EngineOptions(max_num_seqs=max(concurrency, 1)))
+    options = EngineOptions(max_num_seqs=max(concurrency, 1), deterministic=deterministic)
+    engine = build_engine(artifact, options)
     engine.sampling.on_device &= not host
     runner = engine.runner
     # Time in compiled functions: the forward, and the compiled sampler's VM call (its
@@ -100,30 +109,40 @@ def main() -> None:
         action="store_true",
         help="sample on the host, not with the compiled sampler",
     )
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run each configuration in deterministic mode, interleaved",
+    )
     args = ap.parse_args()
     artifacts = [args.artifact] + ([args.baseline] if args.baseline else [])
-    runs = {(a, c): [] for a in artifacts for c in args.concurrency}
+    modes = [False, True] if args.deterministic else [False]
+    runs = {(a, m, c): [] for a in artifacts for m in modes for c in args.concurrency}
     for _ in range(args.rounds):
         for c in args.concurrency:
             for artifact in artifacts:
-                runs[(artifact, c)].append(
-                    run(
-                        artifact,
-                        c,
-                        args.max_tokens,
-                        args.prompt_len,
-                        args.sampling,
-                        args.host_sampler,
+                for mode in modes:
+                    runs[(artifact, mode, c)].append(
+                        run(
+                            artifact,
+                            c,
+                            args.max_tokens,
+                            args.prompt_len,
+                            args.sampling,
+                            args.host_sampler,
+                            mode,
+                        )
                     )
-                )
     for artifact in artifacts:
-        _print_table(artifact, {c: runs[(artifact, c)] for c in args.concurrency}, args)
+        for mode in modes:
+            table = {c: runs[(artifact, mode, c)] for c in args.concurrency}
+            _print_table(artifact, table, args, "deterministic" if mode else "normal")
 
 
-def _print_table(artifact: str, runs: dict[int, list[dict]], args) -> None:
+def _print_table(artifact: str, runs: dict[int, list[dict]], args, mode: str) -> None:
     first = next(iter(runs.values()))[0]
     where = "host" if args.host_sampler or not first["device_rows"] else "compiled"
-    print(f"{artifact}\nsampling: {args.sampling}, {where} sampler")
+    print(f"{artifact} ({mode} mode)\nsampling: {args.sampling}, {where} sampler")
 
     def median(c: int, key: str) -> float:
         return statistics.median(r[key] for r in runs[c])

@@ -262,6 +262,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=8192, help="(default 8192)")
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant outputs: a request's tokens and logprobs do not depend on what "
+        "else runs (turns the prefix cache off)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=256,
@@ -438,6 +444,7 @@ def _run_serve(args) -> int:
             prefix_cache=not args.no_prefix_cache,
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
             threads=args.threads,
+            deterministic=args.deterministic,
         ),
     )
     try:

@@ -36,6 +36,9 @@ class EngineOptions:
     prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
     threads: int | None = None  # CPU kernel threads; None: every usable CPU
+    # Batch-invariant outputs: a request's tokens and logprobs the same bits whatever runs
+    # beside it (docs/cpu-kernels.md#deterministic-mode); no prefix cache.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
         ),
     )
     runner.max_batch_size = options.max_num_seqs
+    runner.batch_invariant = options.deterministic
+    if options.deterministic:
+        _warn_if_not_batch_invariant(runner)
     log.warning(
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
@@ -123,8 +129,23 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
         prefill_chunk_size=chunk,
         enable_prefix_cache=options.prefix_cache,
         prefix_cache_max_tokens=options.prefix_cache_max_tokens,
+        deterministic=options.deterministic,
     )
     tok = runner.tokenizer
     return Engine(
         runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
     )
+
+
+def _warn_if_not_batch_invariant(runner: TVMModelRunner) -> None:
+    """Deterministic mode is checked on CPU libraries with AVX-512 VNNI decode tiles; AVX2
+    tiles change their summation order at 8 sequences (row to column tiles), and the float
+    and GPU kernels have not been checked."""
+    # the library the runner loaded (artifacts with several), else the artifact's target
+    library = getattr(runner, "library", None) or runner.manifest.target
+    tiles = (library.details or {}).get("int8_decode_tiles")
+    kind = runner.device_kind.name
+    if kind == "cpu" and tiles == "avx512-vnni":
+        return
+    what = f"{kind} library, decode tiles {tiles or 'none'}"
+    log.warning("--deterministic: batch invariance is not checked for this artifact (%s)", what)

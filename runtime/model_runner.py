@@ -196,6 +196,9 @@ class TVMModelRunner:
         self._hidden_function = embedding.function if embedding is not None else HIDDEN_FUNCTION
         self._funcs = {name: self.vm[name] for name in names}
         self._last_logits = None  # (tensor, rows) of the last forward, for `sample`
+        # `--deterministic`: each token through the same function at every batch size
+        # (`forward`); set by the engine factory.
+        self.batch_invariant = False
         self._controls = None  # device buffer for `sample`'s per-row controls
         get = tvm.get_global_func
         self._add_seq = get("vm.builtin.kv_state_add_sequence")
@@ -248,7 +251,10 @@ class TVMModelRunner:
         lengths = [len(toks) for _, toks in items]
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
-        logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
+        if self.batch_invariant and 1 in lengths and max(lengths) > 1:
+            logits = self._run_apart(items)
+        else:
+            logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
         self._last_logits = (logits, len(items))
         if self.device_kind.shares_host_memory:
             # The logits already are host memory: a view (it keeps the tensor alive) instead
@@ -327,6 +333,7 @@ class TVMModelRunner:
             if max(lengths) == 1 and len(positions) == len(items):
                 # One sequence: `decode` where the device kind says it pays (devices.py).
                 single = len(items) == 1 and self.device_kind.single_sequence_decode
+                single = single and not self.batch_invariant
                 name = "decode" if single else "batch_decode"
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)
@@ -338,6 +345,23 @@ class TVMModelRunner:
         finally:
             self._end(self.kv_cache)
         return logits
+
+    def _run_apart(self, items: list[tuple[int, list[int]]]):
+        """A batch mixing single tokens and longer chunks, as two forwards: the single tokens
+        through `batch_decode`, the chunks through `batch_prefill`; the logits in item order.
+
+        In one forward the single tokens would take the prefill kernels (float activations,
+        the prefill attention) whenever a chunk shares their step, and the decode kernels
+        otherwise: their numbers would depend on what else is running (docs/cpu-kernels.md).
+        """
+        singles = [i for i, (_, toks) in enumerate(items) if len(toks) == 1]
+        chunks = [i for i, (_, toks) in enumerate(items) if len(toks) > 1]
+        out = np.empty((len(items), self.vocab_size), dtype=np.float32)
+        for part in (chunks, singles):
+            sub = [items[i] for i in part]
+            ends = np.cumsum([len(t) for _, t in sub], dtype=np.int32) - 1
+            out[part] = self._run(sub, ends).numpy().reshape(len(part), self.vocab_size)
+        return self._tvm.runtime.tensor(out, self.device)
 
 
 def all_position_logits(

@@ -23,7 +23,12 @@ admitted and a small reserve fit in the free pages, so prefills never run dry mi
 grow without a reservation; when they would run the cache dry the scheduler first has the KV
 manager evict idle prefix-cache entries, then preempts the newest running sequences by
 recompute: their KV is freed and they go back to the head of the waiting queue with prompt +
-generated tokens to prefill again, which is invisible in outputs.
+generated tokens to prefill again (outputs equal up to float rounding: prefill and decode
+round differently; bitwise in deterministic mode).
+
+Deterministic mode (`SchedulerConfig.deterministic`) keeps each token's numbers independent
+of the batch: whole prompt chunks on a fixed grid, generated tokens recomputed one at a time,
+no prefix cache (`_fixed_chunk`; docs/cpu-kernels.md#deterministic-mode).
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class SchedulerConfig:
     # Steps a blocked waiting head may be overtaken by other requests before admission
     # turns strict FCFS until it is admitted.
     max_overtake_steps: int = 32
+    # Batch-invariant outputs (`--deterministic`): every token computed the same way whatever
+    # else runs (see `_schedule_chunk`); turns the prefix cache off.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,12 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         if self.config.prefill_chunk_size < 1:
             raise ValueError("prefill_chunk_size must be positive")
+        # Deterministic prefill chunks end at multiples of this (see `_schedule_chunk`).
+        self.chunk_grid = min(self.config.prefill_chunk_size, self.max_num_batched_tokens)
         self.kv = KVCacheManager(
             runner,
-            enable_prefix_cache=self.config.enable_prefix_cache,
+            # a match would start a prefill at the match's length, not on the chunk grid
+            enable_prefix_cache=self.config.enable_prefix_cache and not self.config.deterministic,
             prefix_cache_max_tokens=self.config.prefix_cache_max_tokens,
         )
         self.waiting: deque[SequenceState] = deque()
@@ -205,7 +216,8 @@ class Scheduler:
             kv.plan_append(s, 1, with_forks=True)
             out.items.append(ScheduledItem(s, [s.token_ids[-1]], sample=True))
             s.num_computed_tokens += 1
-            budget -= 1
+            # deterministic: the decodes run as a forward of their own (runner.forward)
+            budget -= 0 if self.config.deterministic else 1
             out.num_decode_tokens += 1
         scheduled = {s.seq_id for s in decodes}
 
@@ -228,15 +240,22 @@ class Scheduler:
         blocked: set[str] = set()
         admitted = 0
         share = max(1, budget // len(groups))
-        for leftover in (False, True):  # each group's equal share, then what is left
+        # each group's equal share, then what is left; deterministic: whole chunks in turn
+        # order (the group first in turn gets the whole budget, so every chunk runs in time)
+        passes = (True,) if self.config.deterministic else (False, True)
+        for leftover in passes:
             for g in groups:
                 if budget <= 0:
                     break
                 allowance = budget if leftover else min(share, budget)
                 left = allowance
                 while left > 0 and g.prefilling:
-                    left = self._schedule_chunk(out, g.prefilling.pop(0), left)
-                while left > 0 and g.waiting and g.key not in blocked:
+                    after = self._schedule_chunk(out, g.prefilling[0], left)
+                    if after == left and self.config.deterministic:
+                        break  # its whole chunk waits for a larger allowance (or the next step)
+                    g.prefilling.pop(0)
+                    left = after
+                while left > 0 and g.waiting and g.key not in blocked and not g.prefilling:
                     s = g.waiting[0]
                     if (strict and s is not head) or not self._try_admit(s):
                         blocked.add(g.key)
@@ -244,7 +263,10 @@ class Scheduler:
                     g.waiting.pop(0)
                     self.waiting.remove(s)
                     admitted += 1
-                    left = self._schedule_chunk(out, s, left)
+                    after = self._schedule_chunk(out, s, left)
+                    if after == left and self.config.deterministic:
+                        g.prefilling.append(s)  # admitted; its first chunk in the next pass
+                    left = after
                 budget -= allowance - left
         if head is not None:
             self._note_overtakes(head, blocked, admitted)
@@ -266,11 +288,20 @@ class Scheduler:
     def _schedule_chunk(self, out: SchedulerOutput, s: SequenceState, budget: int) -> int:
         kv = self.kv
         pending = s.num_pending_tokens
-        chunk = min(pending, self.config.prefill_chunk_size, budget, kv.token_room(s))
-        if chunk == pending and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > (
-            kv.num_free_pages()
-        ):
-            chunk -= 1  # the fork copies do not fit yet; finish the prompt next step
+        if self.config.deterministic:
+            chunk = self._fixed_chunk(s)
+            fits = chunk <= min(budget, kv.token_room(s))
+            if not fits or (
+                chunk == pending
+                and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > kv.num_free_pages()
+            ):
+                return budget  # the whole chunk next step
+        else:
+            chunk = min(pending, self.config.prefill_chunk_size, budget, kv.token_room(s))
+            if chunk == pending and kv.append_pages(s, chunk) + kv.fork_copy_pages(s) > (
+                kv.num_free_pages()
+            ):
+                chunk -= 1  # the fork copies do not fit yet; finish the prompt next step
         if chunk <= 0:
             return budget
         sample = chunk == pending
@@ -280,6 +311,20 @@ class Scheduler:
         s.num_computed_tokens += chunk
         out.num_prefill_tokens += chunk
         return budget - chunk
+
+    def _fixed_chunk(self, s: SequenceState) -> int:
+        """The next chunk of `s` in deterministic mode, whatever the budget.
+
+        A prompt token's attention merges the chunk's own rows with the cached ones before
+        it, so its numbers depend on where its chunk starts: prompts go in chunks ending on
+        multiples of `chunk_grid` (or at the prompt's end). Generated tokens being recomputed
+        after a preemption go one at a time, through the decode kernels that first made them
+        (`runner.forward` keeps single tokens apart).
+        """
+        c = s.num_computed_tokens
+        if c >= s.prompt_len:
+            return 1
+        return min(s.prompt_len, (c // self.chunk_grid + 1) * self.chunk_grid) - c
 
     def _admit(self, s: SequenceState) -> bool:
         """Give `s` KV (from the prefix cache when it can) if its prompt will fit."""

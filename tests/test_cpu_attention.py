@@ -76,6 +76,17 @@ def _build(func, target):
     return tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
 
 
+_DECODE_KERNELS: dict = {}
+
+
+def _decode(target, h_kv, h_q, d, page, lanes):
+    """The decode kernel of this shape, built once per test run (10-20 s each here)."""
+    key = (str(target), h_kv, h_q, d, page, lanes)
+    if key not in _DECODE_KERNELS:
+        _DECODE_KERNELS[key] = _build(decode_kernel(h_kv, h_q, d, "float32", page, lanes), target)
+    return _DECODE_KERNELS[key]
+
+
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize(
     ("h_kv", "h_q", "d", "page"),
@@ -115,13 +126,41 @@ def _check_decode(target, h_kv, h_q, d, page, lanes, lengths):
     q = rng.standard_normal((len(lengths), h_q, d)).astype("float32")
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
     zeros = np.zeros(len(lengths))
-    kernel = _build(decode_kernel(h_kv, h_q, d, "float32", page, lanes), target)
+    kernel = _decode(target, h_kv, h_q, d, page, lanes)
     kernel(_t(q, "float32"), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
            _t(zeros), _t(zeros), out, lse, 0, 1.0, 1e4, d**-0.5)  # fmt: skip
     for b, n in enumerate(lengths):
         want_out, want_lse = _attend(q[b], *rows[b], n)
         np.testing.assert_allclose(out.numpy()[b], want_out, atol=2e-6)
         np.testing.assert_allclose(lse.numpy()[b], want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_decode_is_batch_invariant(target):
+    """A sequence's output and lse are the same bits alone (3 work items: the split path, its
+    parts on separate threads) and in a batch (the whole path, one item per sequence and
+    head): `--deterministic` serving relies on it. Lengths with 1, 2, 5 and 19 pages."""
+    rng = np.random.default_rng(5)
+    lengths = [9, 20, 70, 300]
+    pool, indptr, values, last, _ = _paged(rng, lengths)
+    q = rng.standard_normal((len(lengths), H_Q, D)).astype("float32")
+    kernel = _decode(target, H_KV, H_Q, D, PAGE, vector_lanes(target, D))
+
+    def run(seqs):
+        sub_indptr = np.cumsum([0] + [indptr[b + 1] - indptr[b] for b in seqs])
+        sub_values = [v for b in seqs for v in values[indptr[b] : indptr[b + 1]]]
+        out = _t(np.zeros((len(seqs), H_Q, D)), "float32")
+        lse = _t(np.zeros((len(seqs), H_Q)), "float32")
+        zeros = np.zeros(len(seqs))
+        lasts = [last[b] for b in seqs]
+        kernel(_t(q[seqs], "float32"), _t(pool, "float32"), _t(sub_indptr), _t(sub_values),
+               _t(lasts), _t(zeros), _t(zeros), out, lse, 0, 1.0, 1e4, SM)  # fmt: skip
+        return out.numpy(), lse.numpy()
+
+    together = run(list(range(len(lengths))))
+    for b in range(len(lengths)):
+        alone = run([b])
+        np.testing.assert_array_equal(alone[0][0], together[0][b])
+        np.testing.assert_array_equal(alone[1][0], together[1][b])
 
 
 @pytest.mark.parametrize("causal", [1, 0])

@@ -59,18 +59,34 @@ MIN_ITEMS = 6  # fewer work items than this (a sequence or two): pages split int
 SPLITS = 4
 
 
+def _part_pages(part, n_pages):
+    """(first page, end page) of part `part` of a sequence's `n_pages` pages: `SPLITS` parts
+    of consecutive pages (the last ones may be empty). A function of the sequence alone,
+    never of the batch, so its numbers are too."""
+    per = (n_pages + SPLITS - 1) // SPLITS
+    first = T.min(part * per, n_pages)
+    return first, T.min(first + per, n_pages)
+
+
 def _work_item(w, splits, B, indptr):
     """(kv head, sequence, part, the sequence's pages, first page, end page) of item `w`.
 
-    Items are head-major (all sequences of one KV head, then the next head), each sequence
-    and head cut into `splits` parts of consecutive pages (the last parts may be empty)."""
+    Items are head-major (all sequences of one KV head, then the next head); with `splits`
+    = `SPLITS` each part of a sequence is an item, with 1 the item takes all its parts (the
+    page range returned is then the whole sequence's)."""
     hb = w // splits
     part = w % splits
     b = hb % B
     n_pages = indptr[b + 1] - indptr[b]
-    per = (n_pages + splits - 1) // splits
-    first = T.min(part * per, n_pages)
-    return hb // B, b, part, n_pages, first, T.min(first + per, n_pages)
+    if splits == 1:
+        return hb // B, b, part, n_pages, 0, n_pages
+    first, end = _part_pages(part, n_pages)
+    return hb // B, b, part, n_pages, first, end
+
+
+def _chosen(first: bool, a, b):
+    """`a` if `first` else `b`, decided while the macro expands."""
+    return a if first else b
 
 
 def vector_lanes(target, d: int) -> int:
@@ -197,9 +213,35 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
 
     full_tile, short_tile = tile_macro(False), tile_macro(True)
 
+    @T.macro
+    def merge_parts(po, pl, base, output, lse, b, h):
+        """Head `h` of sequence `b`: its `SPLITS` parts (rows `base..base+SPLITS` of `po`,
+        normalised outputs, and `pl`, their log2-sum-exps) weighed by their lse, in part
+        order. One macro for both paths, so their arithmetic is the same."""
+        merged = T.sblock_alloc_buffer((d,), "float32")
+        m = T.sblock_alloc_buffer((2,), "float32")  # the largest lse, the sum
+        m[0] = T.float32(NEG)
+        m[1] = T.float32(0)
+        for i in T.vectorized(d):
+            merged[i] = T.float32(0)
+        for j in T.serial(SPLITS):
+            m[0] = T.max(m[0], pl[base + j])
+        for j in T.serial(SPLITS):
+            weight: T.let[T.float32] = T.exp2(pl[base + j] - m[0])
+            m[1] += weight
+            for i in T.vectorized(d):
+                merged[i] += weight * po[base + j, i]
+        for i in T.vectorized(d):
+            output[b, h, i] = T.Cast(dtype, merged[i] / m[1])
+        # parts without rows all say NEG: so does a sequence without rows
+        lse[b, h] = T.if_then_else(m[0] <= T.float32(NEG), T.float32(NEG), m[0] + T.log2(m[1]))
+
     def items_macro(splits: int):
-        """Attention for every (KV head, sequence, part) work item; `splits` parts per
-        sequence: 1 writes the output, more write partial results for `merge`."""
+        """Attention for every (KV head, sequence, part) work item. `splits` = `SPLITS`:
+        each part is an item writing its partial result for `merge`; 1: an item takes its
+        sequence's parts one after the other and merges them itself. Either way every part
+        starts a fresh softmax and the parts merge in the same order: the numbers do not
+        depend on the batch (which decides the path), only the threads' work does."""
 
         @T.macro
         def items(
@@ -217,18 +259,15 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                     st = T.sblock_alloc_buffer((group * 4,), "float32")
                     acc = T.sblock_alloc_buffer((group * TILE * vl,), "float32")
                     sc = T.sblock_alloc_buffer((group * TILE,), "float32")
+                    # the whole path's parts (a split item's go straight to part_out)
+                    po = T.sblock_alloc_buffer((group * SPLITS, d), "float32")
+                    pl = T.sblock_alloc_buffer((group * SPLITS,), "float32")
                     item = T.meta_var(_work_item(w, splits, B, indptr))
                     hk: T.let[T.int32] = item[0]
                     b: T.let[T.int32] = item[1]
-                    part: T.let[T.int32] = item[2]
                     n_pages: T.let[T.int32] = item[3]
-                    first: T.let[T.int32] = item[4]
-                    end: T.let[T.int32] = item[5]
                     for hg in T.unroll(group):
-                        st[hg * 4] = T.float32(NEG)
-                        st[hg * 4 + 1] = T.float32(1.0)
                         for i in T.vectorized(d):
-                            o_acc[hg * d + i] = T.float32(0)
                             qv[hg * d + i] = (
                                 T.Cast("float32", Q[b, hk * group + hg, i])
                                 * sm_scale
@@ -245,43 +284,59 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                             after[0],
                             after[4] < after[5],
                         )
-                    fetch_page(pages, values[indptr[b] + first + 1], hk, first + 1 < end)
-                    for p in T.serial(first, end):
-                        page: T.let[T.int32] = values[indptr[b] + p]
-                        fetch_page(pages, values[indptr[b] + p + 2], hk, p + 2 < end)
-                        filled: T.let[T.int32] = T.if_then_else(
-                            p == n_pages - 1, last_page_len[b], page_size
-                        )
-                        for t in T.serial(tiles):
-                            if t * TILE + TILE <= filled:
-                                full_tile(pages, page, hk, t * TILE, TILE, qv, o_acc, acc, sc, st)
-                            elif t * TILE < filled:
-                                short_tile(
-                                    pages,
-                                    page,
-                                    hk,
-                                    t * TILE,
-                                    filled - t * TILE,
-                                    qv,
-                                    o_acc,
-                                    acc,
-                                    sc,
-                                    st,
-                                )
-                    for hg in T.unroll(group):
-                        h: T.let[T.int32] = hk * group + hg
-                        if splits == 1:
+                    fetch_page(pages, values[indptr[b] + item[4] + 1], hk, item[4] + 1 < item[5])
+                    for sub in T.serial(SPLITS // splits):
+                        part = T.meta_var(_chosen(splits > 1, item[2], sub))
+                        bounds = T.meta_var(_part_pages(part, n_pages))
+                        first: T.let[T.int32] = bounds[0]
+                        end: T.let[T.int32] = bounds[1]
+                        for hg in T.unroll(group):
+                            st[hg * 4] = T.float32(NEG)
+                            st[hg * 4 + 1] = T.float32(1.0)
                             for i in T.vectorized(d):
-                                output[b, h, i] = T.Cast(dtype, o_acc[hg * d + i] / st[hg * 4 + 1])
-                            lse[b, h] = st[hg * 4] + T.log2(st[hg * 4 + 1])
-                        else:
-                            for i in T.vectorized(d):
-                                part_out[(b * h_q + h) * SPLITS + part, i] = (
-                                    o_acc[hg * d + i] / st[hg * 4 + 1]
-                                )
-                            part_lse[(b * h_q + h) * SPLITS + part] = st[hg * 4] + T.log2(
-                                st[hg * 4 + 1]
+                                o_acc[hg * d + i] = T.float32(0)
+                        for p in T.serial(first, end):
+                            page: T.let[T.int32] = values[indptr[b] + p]
+                            # two ahead within the item (across its parts on the whole path)
+                            fetch_page(pages, values[indptr[b] + p + 2], hk, p + 2 < item[5])
+                            filled: T.let[T.int32] = T.if_then_else(
+                                p == n_pages - 1, last_page_len[b], page_size
                             )
+                            for t in T.serial(tiles):
+                                if t * TILE + TILE <= filled:
+                                    full_tile(
+                                        pages, page, hk, t * TILE, TILE, qv, o_acc, acc, sc, st
+                                    )
+                                elif t * TILE < filled:
+                                    short_tile(
+                                        pages,
+                                        page,
+                                        hk,
+                                        t * TILE,
+                                        filled - t * TILE,
+                                        qv,
+                                        o_acc,
+                                        acc,
+                                        sc,
+                                        st,
+                                    )
+                        for hg in T.unroll(group):
+                            h: T.let[T.int32] = hk * group + hg
+                            if splits == 1:
+                                for i in T.vectorized(d):
+                                    po[hg * SPLITS + part, i] = o_acc[hg * d + i] / st[hg * 4 + 1]
+                                pl[hg * SPLITS + part] = st[hg * 4] + T.log2(st[hg * 4 + 1])
+                            else:
+                                for i in T.vectorized(d):
+                                    part_out[(b * h_q + h) * SPLITS + part, i] = (
+                                        o_acc[hg * d + i] / st[hg * 4 + 1]
+                                    )
+                                part_lse[(b * h_q + h) * SPLITS + part] = st[hg * 4] + T.log2(
+                                    st[hg * 4 + 1]
+                                )
+                    if splits == 1:
+                        for hg in T.unroll(group):
+                            merge_parts(po, pl, hg * SPLITS, output, lse, b, hk * group + hg)
 
         return items
 
@@ -292,25 +347,7 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
             with T.sblock("merge"):
                 T.reads(part_out[bh * SPLITS : bh * SPLITS + SPLITS, 0:d])
                 T.writes(output[bh // h_q, bh % h_q, 0:d], lse[bh // h_q, bh % h_q])
-                merged = T.sblock_alloc_buffer((d,), "float32")
-                m = T.sblock_alloc_buffer((2,), "float32")  # the largest lse, the sum
-                m[0] = T.float32(NEG)
-                m[1] = T.float32(0)
-                for i in T.vectorized(d):
-                    merged[i] = T.float32(0)
-                for j in T.serial(SPLITS):
-                    m[0] = T.max(m[0], part_lse[bh * SPLITS + j])
-                for j in T.serial(SPLITS):
-                    weight: T.let[T.float32] = T.exp2(part_lse[bh * SPLITS + j] - m[0])
-                    m[1] += weight
-                    for i in T.vectorized(d):
-                        merged[i] += weight * part_out[bh * SPLITS + j, i]
-                for i in T.vectorized(d):
-                    output[bh // h_q, bh % h_q, i] = T.Cast(dtype, merged[i] / m[1])
-                # parts without rows all say NEG: so does a sequence without rows
-                lse[bh // h_q, bh % h_q] = T.if_then_else(
-                    m[0] <= T.float32(NEG), T.float32(NEG), m[0] + T.log2(m[1])
-                )
+                merge_parts(part_out, part_lse, bh * SPLITS, output, lse, bh // h_q, bh % h_q)
 
     whole_items, split_items = items_macro(1), items_macro(SPLITS)
 
