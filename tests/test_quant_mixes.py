@@ -240,7 +240,9 @@ def test_allow_requantize_from_the_command_line(monkeypatch, q4_1_gguf, tmp_path
         planned["plan"] = state.quant_plan
         raise TallowError("stopped after planning")
 
-    monkeypatch.setattr(pipeline, "_phases", lambda: [("read", phases.read_config), ("stop", stop)])
+    monkeypatch.setattr(
+        pipeline, "_phases", lambda targets: [("read", phases.read_config), ("stop", stop)]
+    )
     out = tmp_path / "out"
     argv = compile_argv(q4_1_gguf, out, "--quant", "q4_0", "--allow-requantize")
     assert main(argv) == 2
