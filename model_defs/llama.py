@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import DecoderConfig
+from .config_fields import COMMON_FIELDS
 from .decoder import DecoderLM
 from .registry import Architecture
 from .weight_map import (
@@ -12,6 +13,9 @@ from .weight_map import (
     dense_decoder_gguf_map,
     dense_decoder_hf_map,
 )
+
+# mlp_bias is read in order to be refused when set (config_fields.REFUSED).
+LLAMA_FIELDS = COMMON_FIELDS | {"mlp_bias", "pretraining_tp"}
 
 
 class LlamaConfig(DecoderConfig):
@@ -35,6 +39,8 @@ ARCHITECTURES = [
         gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
         gguf_weight_map=dense_decoder_gguf_map,
         gguf_permute_qk=True,
+        config_fields=LLAMA_FIELDS,
     ),
+    # Mistral: `sliding_window` windows every layer (config.py); it reaches the CPU kernels.
     Architecture("MistralForCausalLM", LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map),
 ]
