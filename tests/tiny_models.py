@@ -98,6 +98,38 @@ CONFIGS = {
         },
         "tie_word_embeddings": True,
     },
+    # What a GGUF can say (llama.cpp fixes the rest per architecture): Gemma 2 alternates
+    # windowed and global layers, Gemma 3 makes every 6th global; the attention scale is
+    # head_dim's; Gemma 3's windowed layers rotate with base 10k.
+    "gemma2_gguf": {
+        **BASE,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_gguf": {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    },
     # Mistral's window covers every layer.
     "mistral_window": {
         **BASE,
