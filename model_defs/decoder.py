@@ -96,8 +96,8 @@ class Attention(nn.Module):
         self.rope = None
         if config.rope_in_graph:
             scaling = config.rope_scaling or {}
-            windowed = config.layer_window(layer_id) is not None
-            factor = 1.0 if windowed else float(scaling.get("factor", 1.0))
+            local = config.is_sliding_layer(layer_id)
+            factor = 1.0 if local else float(scaling.get("factor", 1.0))
             self.rope = (config.layer_rope_theta(layer_id), factor)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
