@@ -118,3 +118,12 @@ def test_windows_and_soft_caps_are_refused_off_the_cpu():
     family = get_architecture({"architectures": ["Gemma2ForCausalLM"]})
     with pytest.raises(ConfigError, match="sliding_window=8.*attn_logit_softcapping"):
         family.build(config, "float16", Target({"kind": "cuda", "arch": "sm_90"}))
+
+
+def test_gemma3_rope_base_follows_the_layer_kind_not_its_window():
+    """--context-window below the window makes windows moot, but a local layer still
+    rotates with the local base."""
+    config = read("Gemma3ForCausalLM", CONFIGS["gemma3"])
+    config.context_window_size = 8  # the window (8) spans the whole context
+    assert config.layer_window(0) is None and not config.windowed
+    assert config.layer_rope_theta(0) == 10000.0 and config.layer_rope_theta(1) == 1000000.0
