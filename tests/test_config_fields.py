@@ -87,6 +87,8 @@ def test_windows_are_read_per_family():
     # Mistral: every layer; Qwen2: only with use_sliding_window, from max_window_layers on
     mistral = read("MistralForCausalLM", CONFIGS["mistral_window"])
     assert [mistral.layer_window(i) for i in range(2)] == [8, 8]
+    llama = read("LlamaForCausalLM", {**CONFIGS["llama_plain"], "sliding_window": 8})
+    assert not llama.windowed  # transformers' Llama ignores the field
     qwen = {**CONFIGS["qwen2"], "sliding_window": 8, "use_sliding_window": False}
     assert read("Qwen2ForCausalLM", qwen).layer_window(0) is None
     qwen.update(use_sliding_window=True, max_window_layers=1)
