@@ -185,10 +185,15 @@ def gguf_config(reader, arch: Architecture, tensor_names: set[str]) -> dict:
         if tokens is not None:
             cfg["vocab_size"] = len(tokens.data)
     scaling = _field(reader, f"{prefix}.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
+    if scaling == "linear":
+        factor = float(_field(reader, f"{prefix}.rope.scaling.factor") or 1.0)
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
         kind = scaling or "per-dimension rope_freqs (llama3-style)"
         raise ModelSourceError(f"GGUF rope scaling {kind!r} is not supported yet")
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if arch.gguf_config_fixup is not None:
+        arch.gguf_config_fixup(cfg)
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
         if value is not None:

@@ -6,9 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json that cannot describe a model we can build."""
+from .config_fields import ConfigError, check_fields
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -38,7 +36,25 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-SUPPORTED_ROPE_TYPES = ("llama3",)
+def _layer_types(cfg: dict[str, Any]) -> list[str] | None:
+    """Per-layer attention kinds: as written, or every layer windowed where a config names a
+    window and no layer kinds (Mistral: `sliding_window` applies to all layers)."""
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None  # Qwen2/3: the window applies only with use_sliding_window
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        first = int(cfg.get("max_window_layers") or 0)  # Qwen2/3: windowed from this layer on
+        layers = range(int(cfg["num_hidden_layers"]))
+        return [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in layers]
+    if cfg.get("sliding_window"):
+        return [SLIDING_ATTENTION] * int(cfg["num_hidden_layers"])
+    return None
+
+
+SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass
@@ -62,6 +78,20 @@ class DecoderConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # The parts a family chooses (defaults: Llama). RMSNorm scales by `norm_weight_offset + w`
+    # (Gemma stores w around 0 and computes its norms in float32); "sandwich" adds a norm
+    # after attention and after the MLP as well (Gemma 2/3).
+    norm_weight_offset: float = 0.0
+    norm_placement: str = "pre"
+    embed_scale: float = 1.0  # the embedding is multiplied by this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    # Per-layer attention: FULL_ATTENTION or SLIDING_ATTENTION (the last `sliding_window`
+    # positions, the query's own included, as transformers masks them). None: all full.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, where it differs
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
@@ -78,6 +108,8 @@ class DecoderConfig:
             raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
         heads = int(cfg["num_attention_heads"])
         head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+        check_fields(cfg)
+        layer_types = _layer_types(cfg)
         theta, scaling = _rope_settings(cfg)
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
@@ -98,6 +130,8 @@ class DecoderConfig:
             hidden_act=str(cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
+            sliding_window=(cfg.get("sliding_window") or None) if layer_types else None,
+            layer_types=layer_types,
         )
         values.update(overrides)
         config = cls(**values)
@@ -110,17 +144,63 @@ class DecoderConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
+        if self.hidden_act == "swish":
+            self.hidden_act = "silu"
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if unknown:
+                raise ConfigError(f"layer_types: unsupported kind(s) {sorted(unknown)}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ConfigError("layer_types has sliding layers but sliding_window is not set")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling["rope_type"]
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ConfigError(
-                    f"rope scaling type {rope_type!r} is not supported "
+                    f"rope_scaling / rope_parameters: rope type {rope_type!r} is not supported "
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The layer's attention window in positions, or None for full attention (also when
+        the window spans the whole context: then it changes nothing)."""
+        if not self.is_sliding_layer(layer_id):
+            return None
+        if self.sliding_window >= self.context_window_size:
+            return None
+        return self.sliding_window
+
+    def is_sliding_layer(self, layer_id: int) -> bool:
+        """The layer's kind (its RoPE follows it even where its window spans the context)."""
+        return self.layer_types is not None and self.layer_types[layer_id] == SLIDING_ATTENTION
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    def layer_rope_theta(self, layer_id: int) -> float:
+        if self.rope_local_theta is not None and self.is_sliding_layer(layer_id):
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def rope_in_graph(self) -> bool:
+        """True when layers rotate with different settings (Gemma 3: local and global bases,
+        linear scaling on global layers only): the graph applies RoPE itself, since the KV
+        cache applies one setting to every layer."""
+        local = self.rope_local_theta is not None and self.rope_local_theta != self.rope_theta
+        linear = (self.rope_scaling or {}).get("rope_type") == "linear"
+        return local or linear
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

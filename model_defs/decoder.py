@@ -1,8 +1,11 @@
-"""A dense pre-norm decoder (RMSNorm, GQA attention on TVM's paged KV cache, SwiGLU MLP).
+"""A dense decoder (RMSNorm, GQA attention on TVM's paged KV cache, gated MLP).
 
-Llama, Mistral, Qwen2 and Qwen3 are this network with small differences (qkv bias, per-head
-q/k norm, rope scaling), which the config carries. The architecture files choose the
-config and the weight names; the graph lives here once.
+Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 are this network with parts chosen by the
+config (`DecoderConfig`, parts in `parts.py`): qkv bias, per-head q/k norm, RoPE scaling and
+per-layer RoPE bases, norm form (`w` or `1 + w`) and placement (pre or sandwich), activation,
+embedding scale, attention scale, per-layer sliding windows, attention and final logit
+soft-capping. The architecture files choose the config and the weight names; the graph
+lives here once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
+from .parts import (
+    activation,
+    annotate_attention_kernels,
+    check_attention_support,
+    layer_sm_scale,
+    make_norm,
+    rope_in_graph,
+    softcap,
+)
 from .projections import fused_linear
 from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul
 
@@ -60,7 +72,9 @@ def linear(name: str, in_f: int, out_f: int, bias: bool, dtype: str, quant: Quan
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
+    def __init__(
+        self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes, layer_id: int
+    ):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -73,30 +87,50 @@ class Attention(nn.Module):
         )
         self.o_proj = linear(f"{prefix}.o_proj", q_out, hidden, False, dtype, quant)
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(
-                self.head_dim, -1, config.rms_norm_eps, bias=False, dtype=dtype
-            )
-            self.k_norm = nn.RMSNorm(
-                self.head_dim, -1, config.rms_norm_eps, bias=False, dtype=dtype
-            )
+            eps, offset = config.rms_norm_eps, config.norm_weight_offset
+            self.q_norm = make_norm(self.head_dim, eps, offset, dtype)
+            self.k_norm = make_norm(self.head_dim, eps, offset, dtype)
         else:
             self.q_norm = None
             self.k_norm = None
+        scalar = config.query_pre_attn_scalar
+        scale = (scalar if scalar is not None else self.head_dim) ** -0.5
+        self.sm_scale = layer_sm_scale(scale, config.layer_window(layer_id) is not None)
+        # RoPE in the graph when layers rotate differently (the cache then applies none)
+        self.rope = None
+        if config.rope_in_graph:
+            scaling = config.rope_scaling or {}
+            local = config.is_sliding_layer(layer_id)
+            factor = 1.0 if local else float(scaling.get("factor", 1.0))
+            self.rope = (config.layer_rope_theta(layer_id), factor)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         qkv = op.reshape(self.qkv_proj(x), (b, s, hq + 2 * hkv, d))
-        if self.q_norm is not None:
-            # Qwen3 normalises each head of q and k before rotary; the cache applies rotary.
+        if self.q_norm is not None or self.rope is not None:
+            # Qwen3 and Gemma 3 normalise each head of q and k before rotary.
             q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
-            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
-        out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=d**-0.5)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rope is not None:
+                positions = kv_cache.get_query_positions(b * s)
+                q = op.reshape(
+                    rope_in_graph(op.reshape(q, (b * s, hq, d)), positions, *self.rope),
+                    (b, s, hq, d),
+                )
+                k = op.reshape(
+                    rope_in_graph(op.reshape(k, (b * s, hkv, d)), positions, *self.rope),
+                    (b, s, hkv, d),
+                )
+            qkv = op.concat([q, k, v], dim=2)
+        out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=self.sm_scale)
         return self.o_proj(op.reshape(out, (b, s, hq * d)))
 
 
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
+        self.act = config.hidden_act
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = fused_linear(
             f"{prefix}.gate_up_proj", hidden, [inter, inter], False, dtype, quant, linear
@@ -105,20 +139,32 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        return self.down_proj(activation(gate, self.act) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
-        eps = config.rms_norm_eps
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False, dtype=dtype)
-        self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant)
-        self.post_attention_layernorm = nn.RMSNorm(
-            config.hidden_size, -1, eps, bias=False, dtype=dtype
-        )
+    """Pre-norm (Llama: norm, attention, norm, MLP) or sandwich (Gemma 2/3: each of attention
+    and MLP between two norms; `post_attention_layernorm` then follows attention)."""
+
+    def __init__(
+        self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes, layer_id: int
+    ):
+        dim, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
+        self.input_layernorm = make_norm(dim, eps, offset, dtype)
+        self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant, layer_id)
+        self.post_attention_layernorm = make_norm(dim, eps, offset, dtype)
         self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
+        self.sandwich = config.norm_placement == "sandwich"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(dim, eps, offset, dtype)
+            self.post_feedforward_layernorm = make_norm(dim, eps, offset, dtype)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        if self.sandwich:
+            attn = self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
+            x = x + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(mlp)
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -133,11 +179,11 @@ class DecoderBody(nn.Module):
             self.embed_tokens = QuantEmbedding(vocab, hidden, embed_q, out_dtype=dtype)
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, dtype, f"model.layers.{i}", quant)
+                DecoderLayer(config, dtype, f"model.layers.{i}", quant, i)
                 for i in range(config.num_hidden_layers)
             ]
         )
-        self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False, dtype=dtype)
+        self.norm = make_norm(hidden, config.rms_norm_eps, config.norm_weight_offset, dtype)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
         for layer_id, layer in enumerate(self.layers):
@@ -164,6 +210,7 @@ class DecoderLM(nn.Module):
         if task not in TASKS:
             raise ValueError(f"unknown compile task {task!r}; choose from {', '.join(TASKS)}")
         quant = dict(quant or {})
+        check_attention_support(config, target)
         self.config = config
         self.dtype = dtype
         self.target = target
@@ -188,10 +235,14 @@ class DecoderLM(nn.Module):
         else:
             logits = self.lm_head(hidden)
         # Sampling reads float32 logits whatever the compute dtype.
-        return logits.astype("float32") if logits.dtype != "float32" else logits
+        logits = logits.astype("float32") if logits.dtype != "float32" else logits
+        return softcap(logits, self.config.final_logit_softcapping)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        scale = self.config.embed_scale
+        # Gemma: times sqrt(hidden), a constant of the model's dtype (as transformers rounds it)
+        return x if scale == 1.0 else x * scale
 
     def prefill(self, input_embed: Tensor, kv_cache: PagedKVCache):
         def last_token(x: te.Tensor):
@@ -228,7 +279,7 @@ class DecoderLM(nn.Module):
         support_sliding_window: rx.Var,
     ) -> PagedKVCache:
         c = self.config
-        return TIRPagedKVCache(
+        cache = TIRPagedKVCache(
             attn_kind="mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -243,16 +294,18 @@ class DecoderLM(nn.Module):
             v_head_dim=c.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if c.rope_in_graph else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=c.rope_theta,
-            rope_scaling=dict(c.rope_scaling or {}),
+            rope_scaling={} if c.rope_in_graph else dict(c.rope_scaling or {}),
             rope_ext_factors=rx.prim_value(0),
             rotary_dim=c.head_dim,
             enable_disaggregation=False,
             dtype=self.dtype,
             target=self.target,
         )
+        annotate_attention_kernels(c)
+        return cache
 
     def get_default_spec(self) -> dict:
         hidden, dtype = self.config.hidden_size, self.dtype

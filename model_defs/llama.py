@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import DecoderConfig
+from .config_fields import COMMON_FIELDS
 from .decoder import DecoderLM
 from .registry import Architecture
 from .weight_map import (
@@ -13,12 +14,22 @@ from .weight_map import (
     dense_decoder_hf_map,
 )
 
+# mlp_bias is read in order to be refused when set (config_fields.REFUSED).
+LLAMA_FIELDS = COMMON_FIELDS | {"mlp_bias", "pretraining_tp"}
+
 
 class LlamaConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
         # Llama checkpoints may carry q/k/v biases (attention_bias); no per-head q/k norm.
+        # transformers' Llama has no window: a stray `sliding_window` means nothing to it.
+        cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "layer_types")}
         return super().from_hf(cfg, qk_norm=False, **overrides)
+
+
+def mistral_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
+    """Mistral: `sliding_window` windows every layer (config.py); the CPU kernels apply it."""
+    return DecoderConfig.from_hf(cfg, qk_norm=False)
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -35,6 +46,7 @@ ARCHITECTURES = [
         gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
         gguf_weight_map=dense_decoder_gguf_map,
         gguf_permute_qk=True,
+        config_fields=LLAMA_FIELDS,
     ),
-    Architecture("MistralForCausalLM", LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map),
+    Architecture("MistralForCausalLM", mistral_from_hf, LlamaForCausalLM, dense_decoder_hf_map),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import DecoderConfig
+from .config_fields import COMMON_FIELDS
 from .decoder import DecoderLM
 from .registry import Architecture
 from .weight_map import (
@@ -12,6 +13,9 @@ from .weight_map import (
     dense_decoder_gguf_map,
     dense_decoder_hf_map,
 )
+
+# Qwen windows only with use_sliding_window, from layer max_window_layers on (config.py).
+QWEN_FIELDS = COMMON_FIELDS | {"use_sliding_window", "max_window_layers"}
 
 
 class Qwen2Config(DecoderConfig):
@@ -34,5 +38,6 @@ ARCHITECTURES = [
         gguf_arch="qwen2",
         gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
         gguf_weight_map=dense_decoder_gguf_map,
+        config_fields=QWEN_FIELDS,
     )
 ]

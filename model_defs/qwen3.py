@@ -6,6 +6,7 @@ from typing import Any
 
 from .config import DecoderConfig
 from .decoder import DecoderLM
+from .qwen2 import QWEN_FIELDS
 from .registry import Architecture
 from .weight_map import (
     DENSE_DECODER_GGUF_CONFIG,
@@ -33,5 +34,6 @@ ARCHITECTURES = [
         gguf_arch="qwen3",
         gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
         gguf_weight_map=dense_decoder_gguf_map,
+        config_fields=QWEN_FIELDS,
     )
 ]

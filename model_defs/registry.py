@@ -9,6 +9,7 @@ from typing import Any
 from tvm.relax.frontend import nn
 
 from .config import DecoderConfig
+from .config_fields import COMMON_FIELDS
 from .weight_map import WeightMap
 
 
@@ -26,6 +27,11 @@ class Architecture:
     gguf_config_keys: dict[str, str] | None = None
     gguf_weight_map: Callable[[DecoderConfig], WeightMap] | None = None
     gguf_permute_qk: bool = False
+    # What llama.cpp fixes per architecture instead of writing it to the metadata: completes
+    # the config dict read through `gguf_config_keys` (in place).
+    gguf_config_fixup: Callable[[dict[str, Any]], None] | None = None
+    # The config.json fields this family's reader reads (config_fields.py has the rest).
+    config_fields: frozenset[str] = COMMON_FIELDS
 
 
 class UnknownArchitectureError(ValueError):
@@ -33,9 +39,14 @@ class UnknownArchitectureError(ValueError):
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import llama, qwen2, qwen3
+    from . import gemma, llama, qwen2, qwen3
 
-    archs = [*llama.ARCHITECTURES, *qwen2.ARCHITECTURES, *qwen3.ARCHITECTURES]
+    archs = [
+        *llama.ARCHITECTURES,
+        *qwen2.ARCHITECTURES,
+        *qwen3.ARCHITECTURES,
+        *gemma.ARCHITECTURES,
+    ]
     return {a.hf_name: a for a in archs}
 
 

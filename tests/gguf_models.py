@@ -27,12 +27,51 @@ LAYER_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma's four norms per layer, as llama.cpp's converter names them.
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(hf_name: str, layer_names: dict[str, str] = LAYER_NAMES) -> str:
     if hf_name in HF_TO_GGUF:
         return HF_TO_GGUF[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{layer_names[module]}.{kind}"
+
+
+def gemma_metadata(writer, cfg: dict) -> None:
+    """What llama.cpp's converter writes for Gemma 2/3 beyond the dense-decoder keys."""
+    writer.add_sliding_window(cfg["sliding_window"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            getattr(writer, f"add_{key}")(cfg[key])
+    full = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+
+
+def write_gemma_gguf(model_dir: Path, out: Path, arch: str) -> Path:
+    """A Gemma 2/3 GGUF as llama.cpp's converter writes it: norms stored as 1 + w."""
+
+    def norm_plus_one(name: str, arr: np.ndarray) -> np.ndarray:
+        return arr + 1 if name.endswith("norm.weight") else arr
+
+    return write_gguf(
+        model_dir,
+        out,
+        arch,
+        layer_names=GEMMA_LAYER_NAMES,
+        tensor_fn=norm_plus_one,
+        metadata_fn=gemma_metadata,
+    )
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -70,6 +109,9 @@ def write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     split_max_tensors: int = 0,
     tensor_types: dict[str, str] | None = None,
+    layer_names: dict[str, str] = LAYER_NAMES,
+    tensor_fn=None,
+    metadata_fn=None,
 ) -> Path:
     """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer.
 
@@ -91,7 +133,8 @@ def write_gguf(
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or params.get("full_attention", params)["rope_theta"]
     writer.add_rope_freq_base(theta)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_key_length(head_dim)
@@ -111,17 +154,21 @@ def write_gguf(
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_add_bos_token(False)
+    if metadata_fn is not None:
+        metadata_fn(writer, cfg)
     for name, arr in weights.items():
         arr = np.ascontiguousarray(arr.astype(np.float32))
         if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             arr = llama_cpp_permute(arr, heads)
-        qtype = (tensor_types or {}).get(gguf_name(name))
+        if tensor_fn is not None:
+            arr = tensor_fn(name, arr)
+        qtype = (tensor_types or {}).get(gguf_name(name, layer_names))
         if qtype is None:
-            writer.add_tensor(gguf_name(name), arr)
+            writer.add_tensor(gguf_name(name, layer_names), arr)
         else:
             blocks, ggml_type = quantized_tensor(arr, qtype)
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=ggml_type)
+            writer.add_tensor(gguf_name(name, layer_names), blocks, raw_dtype=ggml_type)
     for name, arr in (extra_tensors or {}).items():
         writer.add_tensor(name, arr)
     writer.write_header_to_file()

@@ -76,6 +76,79 @@ CONFIGS = {
         "num_key_value_heads": 1,
         "rope_theta": 1000000.0,
     },
+    # Gemma 2/3 with windows of 8 positions (the parity prompts run past them), both layer
+    # kinds, a query_pre_attn_scalar that differs from head_dim, small soft caps that bite.
+    "gemma2": {
+        **BASE,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    },
+    # What a GGUF can say (llama.cpp fixes the rest per architecture): Gemma 2 alternates
+    # windowed and global layers, Gemma 3 makes every 6th global; the attention scale is
+    # head_dim's; Gemma 3's windowed layers rotate with base 10k.
+    "gemma2_gguf": {
+        **BASE,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_gguf": {
+        **BASE,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 8,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    },
+    # Mistral's window covers every layer.
+    "mistral_window": {
+        **BASE,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": 8,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -136,4 +209,7 @@ def make_model(folder: Path, name: str, seed: int = 0, sharded: bool = False) ->
 def load_hf(folder: Path):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
+    # eager attention: the reference implementation (soft caps and windows included)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype="float32", attn_implementation="eager"
+    ).eval()

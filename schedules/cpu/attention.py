@@ -16,8 +16,15 @@ attentions). Decode's kernel is in `cpu.attention_decode`; the prefill kernels h
 * bounded by the sequence's own length, not the cache's capacity.
 
 Scores are in the log2 domain (q.k * sm_scale * log2(e)), as in TVM's kernels, so `lse`
-means the same to the merge kernel. They apply only when the cache applies RoPE before
-appending (`RopeMode.NORMAL`, which every tallow model uses): `rotary_mode` is ignored.
+means the same to the merge kernel. They never apply RoPE (`rotary_mode` is ignored): the
+cache applies it before appending (`RopeMode.NORMAL`), or the graph does (Gemma 3).
+
+Two model facts arrive as attributes on the kernels the cache built (model_defs/parts.py):
+a sliding window (a query at position p sees keys at positions p - window + 1 .. p, as
+transformers masks them; a layer asks for it by passing its scale negated, since one
+kernel serves every layer) and an attention-score soft cap (Gemma 2: scores become
+cap * tanh(scores / cap)). A windowed query starts at its window's first key row, so a
+windowed layer reads at most `window` rows whatever the context.
 """
 
 from __future__ import annotations
@@ -25,18 +32,29 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from tallow.model_defs.parts import SOFTCAP_ATTR, WINDOW_ATTR
+
 from ..tir_common import LOG2E, add, exp2, reduce_lanes
-from .attention_decode import LANES, NEG, TILE, decode_kernel, vector_lanes
+from .attention_decode import (
+    LANES,
+    NEG,
+    TILE,
+    capped,
+    decode_kernel,
+    vector_lanes,
+    window_start,
+)
 
 
-def _attend(paged: bool, d: int, page_size: int, dtype: str):
-    """The online-softmax loop of one query row (head `h`) over `n` key rows, for prefill.
+def _attend(paged: bool, d: int, page_size: int, dtype: str, cap=None):
+    """The online-softmax loop of one query row (head `h`) over key rows `lo`..`n`, prefill.
 
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
     `kv` ([pages, 2, h_kv, page_size, d]); ragged: `k[base + j]`, `v[base + j]`.
     State: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
     """
     nd = d // LANES
+    qscale = 1.0 if cap is not None else LOG2E
 
     def cached(kv, which: int, values, base, hk, row, col):
         """Element `col` of key (which=0) or value (1) row `row`, as float32."""
@@ -46,14 +64,16 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str):
         return kv[base + row, hk, col].astype("float32")
 
     @T.macro
-    def attend(q, qi, h, sm_scale, n, k, v, values, base, hk, output, lse):
+    def attend(q, qi, h, sm_scale, lo, n, k, v, values, base, hk, output, lse):
         o_acc, qv, acc, sc, st = _state(d)
         st[0] = T.float32(NEG)
         st[1] = T.float32(1.0)
         for i in T.vectorized(d):
             o_acc[i] = T.float32(0)
-            qv[i] = T.Cast("float32", q[qi, h, i]) * sm_scale * T.float32(LOG2E)
-        for t in T.serial((n + TILE - 1) // TILE):
+            # log2(e) folds into q, or (soft cap) applies after the cap
+            qv[i] = T.Cast("float32", q[qi, h, i]) * T.abs(sm_scale) * T.float32(qscale)
+        for t in T.serial((n - lo + TILE - 1) // TILE):
+            r0: T.let[T.int32] = lo + t * TILE  # the tile's first key row
             # the tile's dot products interleaved: independent FMA chains, not one
             for a in T.unroll(TILE):
                 for ln in T.vectorized(LANES):
@@ -62,12 +82,12 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str):
                 for c in T.unroll(nd):
                     for ln in T.vectorized(LANES):
                         acc[r * LANES + ln] += qv[c * LANES + ln] * cached(
-                            k, 0, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                            k, 0, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln
                         )
             for r in T.unroll(TILE):
                 sc[r] = T.Select(
-                    t * TILE + r < n,
-                    reduce_lanes(acc[T.Ramp(r * LANES, 1, LANES)], LANES, add),
+                    r0 + r < n,
+                    capped(reduce_lanes(acc[T.Ramp(r * LANES, 1, LANES)], LANES, add), cap),
                     T.float32(NEG),
                 )
             st[2] = sc[0]
@@ -81,7 +101,7 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str):
                 st[0] = st[2]
             for r in T.vectorized(TILE):
                 # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
-                sc[r] = T.Select(t * TILE + r < n, exp2(sc[r] - st[0]), T.float32(0))
+                sc[r] = T.Select(r0 + r < n, exp2(sc[r] - st[0]), T.float32(0))
             for r in T.serial(TILE):
                 st[1] += sc[r]
             # each 8-lane slice of the output takes the tile's rows while in a register
@@ -89,7 +109,7 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str):
                 for r in T.unroll(TILE):
                     for ln in T.vectorized(LANES):
                         o_acc[c * LANES + ln] += sc[r] * cached(
-                            v, 1, values, base, hk, T.min(t * TILE + r, n - 1), c * LANES + ln
+                            v, 1, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln
                         )
         for i in T.vectorized(d):
             output[qi, h, i] = T.Cast(dtype, o_acc[i] / st[1])
@@ -126,9 +146,9 @@ def _state(d: int):
     )
 
 
-def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
+def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str, window=None, cap=None):
     group = h_q // h_kv
-    attend = _attend(False, d, 1, dtype)
+    attend = _attend(False, d, 1, dtype, cap)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -156,10 +176,11 @@ def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
         k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
         v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=T.int32())
-        # unused (RoPE is applied before append) but binds batch_size for the signature
-        _k_rope = T.match_buffer(
+        # positions: the first new key's of each sequence, each query row's (windows)
+        k_offset = T.match_buffer(
             var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
         )
+        q_pos = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=T.int32())
         output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
@@ -177,16 +198,18 @@ def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str):
                 n: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
                 )
+                lo: T.let[T.int32] = window_start(window, sm_scale, q_pos[row], k_offset[b])
                 attend(
-                    q, row, h, sm_scale, n, k, v, kv_indptr, kv_indptr[b], h // group, output, lse
-                )
+                    q, row, h, sm_scale, lo, n, k, v, kv_indptr, kv_indptr[b], h // group,
+                    output, lse,
+                )  # fmt: skip
 
     return prefill_ragged
 
 
-def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
+def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, window=None, cap=None):
     group = h_q // h_kv
-    attend = _attend(True, d, page_size, dtype)
+    attend = _attend(True, d, page_size, dtype, cap)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -221,6 +244,10 @@ def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
         )
         output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        k_offset = T.match_buffer(
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
+        )
+        q_pos = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=T.int32())
 
         for hr in T.parallel(h_q * total_len):
             with T.sblock("attn"):
@@ -242,9 +269,11 @@ def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int):
                         causal > 0, T.min(n_kv, n_kv - n_q + (row - q_indptr[b]) + 1), n_kv
                     ),
                 )
+                lo: T.let[T.int32] = window_start(window, sm_scale, q_pos[row], k_offset[b])
                 attend(
-                    q, row, h, sm_scale, n, pages, pages, values, indptr[b], h // group, output, lse
-                )
+                    q, row, h, sm_scale, lo, n, pages, pages, values, indptr[b], h // group,
+                    output, lse,
+                )  # fmt: skip
 
     return prefill_paged
 
@@ -256,21 +285,35 @@ def _shape(func, index: int) -> tuple[list, str]:
 
 def _replacement(name: str, func, target):
     """Our kernel for the cache kernel `name`, sized from its buffers; None if not ours."""
+    attrs = func.attrs or {}
+    window = int(attrs[WINDOW_ATTR]) if WINDOW_ATTR in attrs else None
+    cap = float(attrs[SOFTCAP_ATTR]) if SOFTCAP_ATTR in attrs else None
+    ours = None
     if name == DECODE:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, _, h_kv, page_size, _), _ = _shape(func, 1)
-        if d % LANES:
-            return None
-        return decode_kernel(h_kv, h_q, d, dtype, page_size, vector_lanes(target, d))
-    if name == PREFILL_RAGGED:
+        if d % LANES == 0:
+            lanes = vector_lanes(target, d)
+            ours = decode_kernel(h_kv, h_q, d, dtype, page_size, lanes, window, cap)
+    elif name == PREFILL_RAGGED:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, h_kv, d_v), _ = _shape(func, 3)
-        return _prefill_ragged(h_kv, h_q, d, dtype) if d == d_v and d % LANES == 0 else None
-    if name == PREFILL_PAGED:
+        if d == d_v and d % LANES == 0:
+            ours = _prefill_ragged(h_kv, h_q, d, dtype, window, cap)
+    elif name == PREFILL_PAGED:
         (_, h_q, d), dtype = _shape(func, 0)
         (_, _, h_kv, page_size, _), _ = _shape(func, 2)
-        return _prefill_paged(h_kv, h_q, d, dtype, page_size) if d % LANES == 0 else None
-    return None
+        if d % LANES == 0:
+            ours = _prefill_paged(h_kv, h_q, d, dtype, page_size, window, cap)
+    else:
+        return None
+    if ours is None and (window is not None or cap is not None):
+        # TVM's own kernel would silently attend to everything, uncapped
+        raise ValueError(
+            f"attention kernel {name}: a sliding window or soft cap needs tallow's CPU "
+            f"kernels, which need head_dim a multiple of {LANES}"
+        )
+    return ours
 
 
 def replace_attention_kernels(mod: tvm.IRModule, target) -> tvm.IRModule:

@@ -41,6 +41,9 @@ rounds: 183 against 157 us. A model's step at 16 sequences (interleaved in one p
 14.9 against 14.1 ms at contexts 96-160, 23.1 against 21.3 ms at 400-464.
 Same signature and results as the cache's own kernel, including the log2-sum-exp `lse`
 that the cache uses to merge partial attentions; scores are in the log2 domain as there.
+A sliding window (`window`, for layers that pass their scale negated) starts each sequence
+at the page holding its window's first row and masks that page's earlier rows; a soft cap
+(`cap`) bounds the scores (cpu/attention.py says how both reach the kernel).
 """
 
 from __future__ import annotations
@@ -59,28 +62,46 @@ MIN_ITEMS = 6  # fewer work items than this (a sequence or two): pages split int
 SPLITS = 4
 
 
-def _part_pages(part, n_pages):
-    """(first page, end page) of part `part` of a sequence's `n_pages` pages: `SPLITS` parts
-    of consecutive pages (the last ones may be empty). A function of the sequence alone,
-    never of the batch, so its numbers are too."""
-    per = (n_pages + SPLITS - 1) // SPLITS
-    first = T.min(part * per, n_pages)
+def window_start(window, sm_scale, q_pos, k_offset):
+    """The first key row (counted from the row at position `k_offset`) a query at `q_pos`
+    sees: 0 without a window or in a global layer (sm_scale > 0)."""
+    if window is None:
+        return 0
+    return T.if_then_else(sm_scale < 0, T.max(0, q_pos - k_offset - window + 1), 0)
+
+
+def capped(score, cap, lanes: int = 1):
+    """Scores (q.k * scale) in the log2 domain, soft-capped when `cap` is set."""
+    log2e = T.float32(LOG2E) if lanes == 1 else T.Broadcast(T.float32(LOG2E), lanes)
+    if cap is None:
+        return score
+    c = T.float32(cap) if lanes == 1 else T.Broadcast(T.float32(cap), lanes)
+    return T.tanh(score / c) * c * log2e
+
+
+def _part_pages(part, start, n_pages):
+    """(first page, end page) of part `part` of a sequence's pages `start..n_pages` (`start`:
+    the page of its window's first row, 0 without a window): `SPLITS` parts of consecutive
+    pages (the last ones may be empty). A function of the sequence alone, never of the
+    batch, so its numbers are too."""
+    per = (n_pages - start + SPLITS - 1) // SPLITS
+    first = T.min(start + part * per, n_pages)
     return first, T.min(first + per, n_pages)
 
 
-def _work_item(w, splits, B, indptr):
+def _work_item(w, splits, B, indptr, p0):
     """(kv head, sequence, part, the sequence's pages, first page, end page) of item `w`.
 
     Items are head-major (all sequences of one KV head, then the next head); with `splits`
     = `SPLITS` each part of a sequence is an item, with 1 the item takes all its parts (the
-    page range returned is then the whole sequence's)."""
+    page range returned is then the whole sequence's from page `p0(b)`, its window's)."""
     hb = w // splits
     part = w % splits
     b = hb % B
     n_pages = indptr[b + 1] - indptr[b]
     if splits == 1:
-        return hb // B, b, part, n_pages, 0, n_pages
-    first, end = _part_pages(part, n_pages)
+        return hb // B, b, part, n_pages, p0(b), n_pages
+    first, end = _part_pages(part, p0(b), n_pages)
     return hb // B, b, part, n_pages, first, end
 
 
@@ -101,11 +122,29 @@ def vector_lanes(target, d: int) -> int:
     return WIDE_LANES if wide and d % WIDE_LANES == 0 else LANES
 
 
-def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes: int = LANES):
+def decode_kernel(
+    h_kv: int,
+    h_q: int,
+    d: int,
+    dtype: str,
+    page_size: int,
+    lanes: int = LANES,
+    window: int | None = None,
+    cap: float | None = None,
+):
     """The kernel for `h_q` query heads over `h_kv` KV heads of size `d` (a multiple of
     `lanes`, the float lanes of each partial sum and value slice: 8, or 16 with AVX-512)."""
     group = h_q // h_kv
     vl = lanes
+    qscale = 1.0 if cap is not None else LOG2E  # log2(e) folds into q, or follows the cap
+
+    def window_row(q_pos, k_offset, sm_scale):
+        """Sequence b -> its first key row in the window (0 without one)."""
+        return lambda b: window_start(window, sm_scale, q_pos[b], k_offset[b])
+
+    def window_page(q_pos, k_offset, sm_scale):
+        return lambda b: window_row(q_pos, k_offset, sm_scale)(b) // page_size
+
     nd = d // vl
     tiles = (page_size + TILE - 1) // TILE  # per page; the last may be short
     per_line = 64 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]  # elements per line
@@ -134,8 +173,9 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
             return first + (T.min(r, count - 1) if clamped else r)
 
         @T.macro
-        def tile(pages, page, hk, first, count, qv, o_acc, acc, sc, st):
-            # first: the tile's first slot in the page; count: its real rows (1..TILE)
+        def tile(pages, page, hk, first, count, skip, qv, o_acc, acc, sc, st):
+            # first: the tile's first slot in the page; count: its real rows (1..TILE);
+            # skip: its rows before the window (clamped tiles only; they score NEG, weigh 0)
             # scores: `block_rows` rows by `group` heads of 8-lane partial sums at a time, each its
             # own FMA chain (one chain per row and head stalled on the FMA latency)
             for rb in T.serial(TILE // block_rows):
@@ -167,7 +207,13 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                     )
             for hg in T.unroll(group):
                 # a clamped row repeats the last real row's score: the max stays right
-                sc[T.Ramp(hg * TILE, 1, TILE)] = row_sums(acc, hg * TILE * LANES)
+                sc[T.Ramp(hg * TILE, 1, TILE)] = capped(row_sums(acc, hg * TILE * LANES), cap, TILE)
+                if clamped and window is not None:
+                    sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
+                        T.Ramp(0, 1, TILE) < T.Broadcast(skip, TILE),
+                        T.Broadcast(T.float32(NEG), TILE),
+                        sc.vload([hg * TILE], f"float32x{TILE}"),
+                    )
                 st[hg * 4 + 2] = reduce_lanes(
                     sc.vload([hg * TILE], f"float32x{TILE}"), TILE, maximum
                 )
@@ -181,9 +227,10 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                     sc.vload([hg * TILE], f"float32x{TILE}") - T.Broadcast(st[hg * 4], TILE),
                     TILE,
                 )
-                if clamped:  # the repeated rows weigh 0
+                if clamped:  # the repeated rows, and those before the window, weigh 0
                     sc[T.Ramp(hg * TILE, 1, TILE)] = T.Select(
-                        T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE),
+                        (T.Ramp(0, 1, TILE) < T.Broadcast(count, TILE))
+                        & (T.Ramp(0, 1, TILE) >= T.Broadcast(skip, TILE)),
                         weights,
                         T.Broadcast(T.float32(0), TILE),
                     )
@@ -245,8 +292,9 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
 
         @T.macro
         def items(
-            Q, pages, indptr, values, last_page_len, output, lse, part_out, part_lse, B, sm_scale
-        ):
+            Q, pages, indptr, values, last_page_len, output, lse, part_out, part_lse, B, sm_scale,
+            q_pos, k_offset,
+        ):  # fmt: skip
             for w in T.parallel(h_kv * B * splits):
                 with T.sblock("attn"):
                     T.reads()  # declared, not inferred: the regions depend on page tables
@@ -262,22 +310,29 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                     # the whole path's parts (a split item's go straight to part_out)
                     po = T.sblock_alloc_buffer((group * SPLITS, d), "float32")
                     pl = T.sblock_alloc_buffer((group * SPLITS,), "float32")
-                    item = T.meta_var(_work_item(w, splits, B, indptr))
+                    item = T.meta_var(
+                        _work_item(w, splits, B, indptr, window_page(q_pos, k_offset, sm_scale))
+                    )
                     hk: T.let[T.int32] = item[0]
                     b: T.let[T.int32] = item[1]
                     n_pages: T.let[T.int32] = item[3]
+                    start: T.let[T.int32] = window_page(q_pos, k_offset, sm_scale)(b)
                     for hg in T.unroll(group):
                         for i in T.vectorized(d):
                             qv[hg * d + i] = (
                                 T.Cast("float32", Q[b, hk * group + hg, i])
-                                * sm_scale
-                                * T.float32(LOG2E)
+                                * T.abs(sm_scale)
+                                * T.float32(qscale)
                             )
                     # Pages two ahead are prefetched while one is read: pages sit anywhere, so
                     # the hardware prefetchers (which follow addresses) cannot know them. Before
                     # the first page: the second, and the first page of this thread's next task.
                     if w + 1 < h_kv * B * splits:
-                        after = T.meta_var(_work_item(w + 1, splits, B, indptr))
+                        after = T.meta_var(
+                            _work_item(
+                                w + 1, splits, B, indptr, window_page(q_pos, k_offset, sm_scale)
+                            )
+                        )
                         fetch_page(
                             pages,
                             values[indptr[after[1]] + after[4]],
@@ -287,7 +342,7 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                     fetch_page(pages, values[indptr[b] + item[4] + 1], hk, item[4] + 1 < item[5])
                     for sub in T.serial(SPLITS // splits):
                         part = T.meta_var(_chosen(splits > 1, item[2], sub))
-                        bounds = T.meta_var(_part_pages(part, n_pages))
+                        bounds = T.meta_var(_part_pages(part, start, n_pages))
                         first: T.let[T.int32] = bounds[0]
                         end: T.let[T.int32] = bounds[1]
                         for hg in T.unroll(group):
@@ -302,10 +357,16 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                             filled: T.let[T.int32] = T.if_then_else(
                                 p == n_pages - 1, last_page_len[b], page_size
                             )
+                            # rows of this page before the window (<= 0: none)
+                            skip: T.let[T.int32] = (
+                                window_row(q_pos, k_offset, sm_scale)(b) - p * page_size
+                            )
                             for t in T.serial(tiles):
-                                if t * TILE + TILE <= filled:
+                                if t * TILE + TILE <= skip:
+                                    T.evaluate(0)  # the whole tile lies before the window
+                                elif t * TILE + TILE <= filled and t * TILE >= skip:
                                     full_tile(
-                                        pages, page, hk, t * TILE, TILE, qv, o_acc, acc, sc, st
+                                        pages, page, hk, t * TILE, TILE, 0, qv, o_acc, acc, sc, st
                                     )
                                 elif t * TILE < filled:
                                     short_tile(
@@ -313,7 +374,8 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                                         page,
                                         hk,
                                         t * TILE,
-                                        filled - t * TILE,
+                                        T.min(filled - t * TILE, TILE),
+                                        T.max(skip - t * TILE, 0),
                                         qv,
                                         o_acc,
                                         acc,
@@ -380,11 +442,15 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
         output = T.match_buffer(output_handle, (B, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (B, h_q), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=T.int32())
+        # positions (windows): each sequence's first key row's and its query's
+        k_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=T.int32())
+        q_pos = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=T.int32())
 
         if h_kv * B >= MIN_ITEMS:
             whole_items(
-                Q, pages, indptr, values, last_page_len, output, lse, None, None, B, sm_scale
-            )
+                Q, pages, indptr, values, last_page_len, output, lse, None, None, B, sm_scale,
+                q_pos, k_offset,
+            )  # fmt: skip
         else:
             with T.sblock("split"):
                 # a few sequences: each one's pages in `SPLITS` parts, merged after through
@@ -395,7 +461,7 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, lanes
                 part_lse = T.sblock_alloc_buffer((B * h_q * SPLITS,), "float32")
                 split_items(
                     Q, pages, indptr, values, last_page_len, output, lse, part_out, part_lse, B,
-                    sm_scale,
+                    sm_scale, q_pos, k_offset,
                 )  # fmt: skip
                 merge(output, lse, part_out, part_lse, B)
 
