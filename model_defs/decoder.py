@@ -10,6 +10,8 @@ lives here once.
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax as rx
 from tvm import te
@@ -94,12 +96,14 @@ class Attention(nn.Module):
         scale = (scalar if scalar is not None else self.head_dim) ** -0.5
         self.sm_scale = layer_sm_scale(scale, config.layer_window(layer_id) is not None)
         # RoPE in the graph when layers rotate differently (the cache then applies none)
-        self.rope = None
-        if config.rope_in_graph:
+        # (a frequency table: rope.py; else Gemma's per-layer base and linear factor)
+        self.rope = config.rope_table() if config.rope_in_graph else None
+        if config.rope_in_graph and self.rope is None:
             scaling = config.rope_scaling or {}
             windowed = config.layer_window(layer_id) is not None
             factor = 1.0 if windowed else float(scaling.get("factor", 1.0))
-            self.rope = (config.layer_rope_theta(layer_id), factor)
+            theta = config.layer_rope_theta(layer_id)
+            self.rope = functools.partial(rope_in_graph, theta=theta, factor=factor)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
@@ -112,14 +116,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rope is not None:
                 positions = kv_cache.get_query_positions(b * s)
-                q = op.reshape(
-                    rope_in_graph(op.reshape(q, (b * s, hq, d)), positions, *self.rope),
-                    (b, s, hq, d),
-                )
-                k = op.reshape(
-                    rope_in_graph(op.reshape(k, (b * s, hkv, d)), positions, *self.rope),
-                    (b, s, hkv, d),
-                )
+                q = op.reshape(self.rope(op.reshape(q, (b * s, hq, d)), positions), (b, s, hq, d))
+                k = op.reshape(self.rope(op.reshape(k, (b * s, hkv, d)), positions), (b, s, hkv, d))
             qkv = op.concat([q, k, v], dim=2)
         out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=self.sm_scale)
         return self.o_proj(op.reshape(out, (b, s, hq * d)))

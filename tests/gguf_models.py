@@ -151,3 +151,27 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a llama3 rope scaling: per
+    rotated pair, the divisor of its frequency (1 for short wavelengths, `factor` for long
+    ones, a smooth blend between), from the published llama3 formula."""
+    s = cfg["rope_scaling"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32)

@@ -42,7 +42,8 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     },
-    # GGUF has no llama3 rope-scaling fields (llama.cpp stores a rope_freqs tensor instead).
+    # GGUF has no llama3 rope-scaling fields (llama.cpp stores a rope_freqs tensor instead;
+    # test_gguf writes one from this model).
     "llama_plain": {
         **BASE,
         "architectures": ["LlamaForCausalLM"],
