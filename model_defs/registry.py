@@ -39,13 +39,14 @@ class UnknownArchitectureError(ValueError):
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import gemma, llama, qwen2, qwen3
+    from . import gemma, llama, phi3, qwen2, qwen3
 
     archs = [
         *llama.ARCHITECTURES,
         *qwen2.ARCHITECTURES,
         *qwen3.ARCHITECTURES,
         *gemma.ARCHITECTURES,
+        *phi3.ARCHITECTURES,
     ]
     return {a.hf_name: a for a in archs}
 

@@ -175,3 +175,50 @@ def llama3_rope_freqs(cfg: dict) -> np.ndarray:
             )
             out.append(1 / ((1 - smooth) / s["factor"] + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+# Phi-3's fused projections, as llama.cpp's converter names them (gate and up in `ffn_up`).
+PHI3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+
+
+def write_phi3_gguf(model_dir: Path, out: Path) -> Path:
+    """A Phi-3 GGUF as llama.cpp's converter writes it: the rotated dimensions, the
+    pretraining context, LongRoPE's cos/sin multiplier in the metadata and its factors as
+    `rope_factors_long` / `rope_factors_short` tensors; sliding_window 0 for none."""
+    import math
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    params = cfg.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    extra = {}
+    longrope = params.get("rope_type") == "longrope"
+    if longrope:
+        extra = {
+            f"rope_factors_{k}.weight": np.asarray(params[f"{k}_factor"], dtype=np.float32)
+            for k in ("long", "short")
+        }
+
+    def metadata(writer, cfg: dict) -> None:
+        writer.add_rope_dimension_count(int(partial * head_dim))
+        original = cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        if longrope:
+            scale = cfg["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original))
+            )
+
+    return write_gguf(
+        model_dir,
+        out,
+        "phi3",
+        layer_names=PHI3_LAYER_NAMES,
+        metadata_fn=metadata,
+        extra_tensors=extra,
+    )

@@ -26,6 +26,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": ("Qwen3Config", "qwen3"),
     "Gemma2ForCausalLM": ("Gemma2Config", "gemma2"),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", "gemma3"),
+    "Phi3ForCausalLM": ("Phi3Config", "phi3"),
 }
 
 

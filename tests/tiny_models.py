@@ -131,6 +131,35 @@ CONFIGS = {
         },
         "tie_word_embeddings": True,
     },
+    # Phi-3: fused qkv and gate_up in the checkpoint, default RoPE.
+    "phi3": {
+        **BASE,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "pad_token_id": 0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    # Phi-4-mini's shape of RoPE: 3/4 of each head rotates, LongRoPE with factors that
+    # differ per dimension; the pretraining context (4) is below every parity sequence, so
+    # transformers rotates with the long factors throughout, as the compiled model does
+    # (its 256-position window exceeds 4); the cos/sin multiplier is sqrt(1 + ln 64 / ln 4).
+    "phi3_longrope": {
+        **BASE,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "pad_token_id": 0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 4,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0],
+            "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5],
+        },
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
     # Mistral's window covers every layer.
     "mistral_window": {
         **BASE,
