@@ -83,8 +83,16 @@ class GGUFCheckpoint:
         return set(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse. Stacked
+        # tensors (MoE experts, [experts, rows, cols]) read as one [experts * rows, cols]
+        # matrix: rows of blocks, as their parameters are declared (model_defs/moe.py).
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))
+        if len(shape) > 2:
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            return (rows, shape[-1])
+        return shape
 
     def source_type(self, name: str) -> str:
         """Our block-type name of a tensor ("q4_1", "q4k", ...), or "float"."""

@@ -124,6 +124,14 @@ class DecoderConfig:
     # (a Llama 3.1+ GGUF's `rope_freqs` tensor); both rotate in the graph (rope.py).
     partial_rotary_factor: float = 1.0
     rope_freq_factors: list[float] | None = None
+    # Mixture of experts (moe.py): layers listed in `moe_layers` replace the dense MLP with
+    # `num_experts` experts of width `moe_intermediate_size`, `num_experts_per_tok` per token
+    # (their router weights renormalised to sum 1 with `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
@@ -212,6 +220,11 @@ class DecoderConfig:
                 f"partial_rotary_factor={self.partial_rotary_factor} does not rotate an even "
                 f"number of the {self.head_dim} dimensions of a head"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
         if self.rope_freq_factors is not None and self.rope_scaling is not None:
             raise ConfigError("rope_freqs together with rope scaling metadata is ambiguous")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != rotary // 2:
@@ -242,6 +255,9 @@ class DecoderConfig:
                 )
         inv_freq = inverse_frequencies(self.rope_theta, self.rotary_dim, divisors)
         return RopeTable(inv_freq, attention)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and layer_id in self.moe_layers
 
     def layer_window(self, layer_id: int) -> int | None:
         """The layer's attention window in positions, or None for full attention."""

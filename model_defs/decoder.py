@@ -21,6 +21,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import ConfigError, DecoderConfig
+from .moe import MoEMLP
 from .parts import (
     SOFTCAP_ATTR,
     WINDOW_ATTR,
@@ -146,7 +147,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(dim, eps, offset, dtype)
         self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant, layer_id)
         self.post_attention_layernorm = make_norm(dim, eps, offset, dtype)
-        self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoEMLP(config, dtype)
+        else:
+            self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
         self.sandwich = config.norm_placement == "sandwich"
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(dim, eps, offset, dtype)

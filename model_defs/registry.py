@@ -39,7 +39,7 @@ class UnknownArchitectureError(ValueError):
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import gemma, llama, phi3, qwen2, qwen3
+    from . import gemma, llama, phi3, qwen2, qwen3, qwen_moe
 
     archs = [
         *llama.ARCHITECTURES,
@@ -47,6 +47,7 @@ def _registry() -> dict[str, Architecture]:
         *qwen3.ARCHITECTURES,
         *gemma.ARCHITECTURES,
         *phi3.ARCHITECTURES,
+        *qwen_moe.ARCHITECTURES,
     ]
     return {a.hf_name: a for a in archs}
 

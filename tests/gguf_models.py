@@ -95,6 +95,7 @@ def write_gguf(
     layer_names: dict[str, str] = LAYER_NAMES,
     tensor_fn=None,
     metadata_fn=None,
+    skip=None,
 ) -> Path:
     """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer."""
     import gguf
@@ -137,6 +138,8 @@ def write_gguf(
     if metadata_fn is not None:
         metadata_fn(writer, cfg)
     for name, arr in weights.items():
+        if skip is not None and skip(name):
+            continue  # written by the caller as extra_tensors (stacked experts)
         arr = np.ascontiguousarray(arr.astype(np.float32))
         if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]

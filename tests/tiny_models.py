@@ -160,6 +160,23 @@ CONFIGS = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     },
+    # Qwen3-MoE: 8 experts, 2 per token (renormalised); layer 1 is a dense MLP
+    # (mlp_only_layers), so both layer kinds are exercised.
+    "qwen3_moe": {
+        **BASE,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
     # Mistral's window covers every layer.
     "mistral_window": {
         **BASE,
