@@ -27,6 +27,7 @@ FAMILIES = {
     "Gemma2ForCausalLM": ("Gemma2Config", "gemma2"),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", "gemma3"),
     "Phi3ForCausalLM": ("Phi3Config", "phi3"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "qwen3_moe"),
 }
 
 

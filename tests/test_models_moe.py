@@ -43,7 +43,7 @@ def stack_experts(folder, weights: dict) -> dict:
     [experts, rows, cols] tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps) and the
     router as ffn_gate_inp."""
     cfg = json.loads((folder / "config.json").read_text())
-    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
     out = {}
     for name in list(weights):
         if ".mlp.experts.0." not in name:
@@ -87,7 +87,7 @@ def test_qwen3moe_gguf_matches_transformers(tiny_model_dir, tmp_path):
         extra_tensors=stacked,
         skip=lambda n: ".mlp.experts." in n or n.endswith("mlp.gate.weight"),
         metadata_fn=lambda w, c: (
-            w.add_expert_count(c["num_experts"]),
+            w.add_expert_count(c.get("num_experts") or c["num_local_experts"]),
             w.add_expert_used_count(c["num_experts_per_tok"]),
             w.add_expert_feed_forward_length(c["moe_intermediate_size"]),
         ),
