@@ -132,6 +132,7 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, sigmoid-gated
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:

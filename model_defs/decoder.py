@@ -125,9 +125,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        dtype: str,
+        prefix: str,
+        quant: QuantTypes,
+        width: int | None = None,  # a shared expert's own width (Qwen2-MoE)
+    ):
         self.act = config.hidden_act
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, width or config.intermediate_size
         self.gate_up_proj = linear(f"{prefix}.gate_up_proj", hidden, 2 * inter, False, dtype, quant)
         self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, False, dtype, quant)
 
@@ -148,7 +155,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant, layer_id)
         self.post_attention_layernorm = make_norm(dim, eps, offset, dtype)
         if config.is_moe_layer(layer_id):
-            self.mlp = MoEMLP(config, dtype)
+            self.mlp = MoEMLP(config, dtype, f"{prefix}.mlp", quant)
         else:
             self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
         self.sandwich = config.norm_placement == "sandwich"

@@ -52,7 +52,18 @@ def route(probs: Tensor, top_k: int, normalise: bool) -> Tensor:
 
 
 class MoEMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str):
+    """Routed experts, plus (Qwen2-MoE) a shared expert every token passes through, scaled
+    by sigmoid(shared_expert_gate . x)."""
+
+    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: dict[str, str]):
+        from .decoder import MLP, linear  # the dense parts (decoder.py imports this module)
+
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            width = config.shared_expert_intermediate_size
+            self.shared_expert = MLP(config, dtype, f"{prefix}.shared_expert", quant, width)
+            gate = linear(f"{prefix}.shared_expert_gate", config.hidden_size, 1, False, dtype, {})
+            self.shared_expert_gate = gate
         self.act = config.hidden_act
         self.top_k = config.num_experts_per_tok
         self.normalise = config.norm_topk_prob
@@ -80,6 +91,9 @@ class MoEMLP(nn.Module):
         scale = op.reshape(op.permute_dims(weights, [1, 0]), (e, b * s, 1))
         scale = scale.astype(x.dtype) if x.dtype != "float32" else scale
         out = op.sum(down * scale, axis=0)  # [tokens, hidden]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            out = out + op.sigmoid(self.shared_expert_gate(tokens)) * shared
         return op.reshape(out, (b, s, h))
 
 
@@ -87,3 +101,28 @@ class MoEExperts(nn.Module):
     def __init__(self, experts: int, hidden: int, width: int, dtype: str):
         self.gate_up_proj = nn.Parameter((2 * experts * width, hidden), dtype=dtype)
         self.down_proj = nn.Parameter((experts * hidden, width), dtype=dtype)
+
+
+def with_moe_layers(dense_map, experts_of, shared_of=None):
+    """A dense weight map whose MoE layers' MLP names become the router and the stacked
+    experts: `experts_of(config, i)` names the layer's router, its (gate..., up...) and its
+    (down...) sources; `shared_of(config, i)`, where given, the shared expert's
+    (gate, up, down, sigmoid gate) sources."""
+
+    def weight_map(config: DecoderConfig) -> dict[str, list[str]]:
+        m = dense_map(config)
+        for i in config.moe_layers:
+            p = f"model.layers.{i}.mlp"
+            del m[f"{p}.gate_up_proj.weight"], m[f"{p}.down_proj.weight"]
+            router, gate_up, down = experts_of(config, i)
+            m[f"{p}.gate.weight"] = [router]
+            m[f"{p}.experts.gate_up_proj"] = gate_up
+            m[f"{p}.experts.down_proj"] = down
+            if shared_of is not None and config.shared_expert_intermediate_size:
+                gate, up, down, sigmoid_gate = shared_of(config, i)
+                m[f"{p}.shared_expert.gate_up_proj.weight"] = [gate, up]
+                m[f"{p}.shared_expert.down_proj.weight"] = [down]
+                m[f"{p}.shared_expert_gate.weight"] = [sigmoid_gate]
+        return m
+
+    return weight_map

@@ -39,7 +39,7 @@ class UnknownArchitectureError(ValueError):
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import gemma, llama, phi3, qwen2, qwen3, qwen_moe
+    from . import gemma, llama, mixtral, phi3, qwen2, qwen3, qwen_moe
 
     archs = [
         *llama.ARCHITECTURES,
@@ -48,6 +48,7 @@ def _registry() -> dict[str, Architecture]:
         *gemma.ARCHITECTURES,
         *phi3.ARCHITECTURES,
         *qwen_moe.ARCHITECTURES,
+        *mixtral.ARCHITECTURES,
     ]
     return {a.hf_name: a for a in archs}
 

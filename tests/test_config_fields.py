@@ -28,6 +28,8 @@ FAMILIES = {
     "Gemma3ForCausalLM": ("Gemma3TextConfig", "gemma3"),
     "Phi3ForCausalLM": ("Phi3Config", "phi3"),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "qwen3_moe"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "qwen2_moe"),
+    "MixtralForCausalLM": ("MixtralConfig", "mixtral"),
 }
 
 

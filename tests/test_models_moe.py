@@ -30,11 +30,12 @@ def routed_experts(hf, ids: list[int]) -> set[tuple[int, ...]]:
     return {tuple(sorted(row.tolist())) for row in picks[0]}
 
 
-def test_qwen3_moe_logits_match_transformers_f32(tiny_model_dir, tiny_artifact):
-    hf = load_hf(tiny_model_dir("qwen3_moe"))
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
+    hf = load_hf(tiny_model_dir(name))
     assert len(routed_experts(hf, PROMPTS[0] + PROMPTS[1])) >= 4  # tokens differ in routing
-    worst, _, picks = run_parity(runner_for(tiny_artifact("qwen3_moe", "f32")), hf)
-    assert worst <= 1e-4, f"qwen3_moe: max abs logit error {worst}"
+    worst, _, picks = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
+    assert worst <= 1e-4, f"{name}: max abs logit error {worst}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
 
 

@@ -177,6 +177,33 @@ CONFIGS = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
+    # Qwen2-MoE: q/k/v biases, router weights not renormalised, a shared expert with its
+    # sigmoid gate on every MoE layer; layer 1 off the decoder_sparse_step grid stays dense.
+    "qwen2_moe": {
+        **BASE,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # Mixtral: every layer MoE, 4 experts of width intermediate_size, 2 per token.
+    "mixtral": {
+        **BASE,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
     # Mistral's window covers every layer.
     "mistral_window": {
         **BASE,
