@@ -39,58 +39,76 @@ def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
 
 
-def stack_experts(folder, weights: dict) -> dict:
+# Per family: the HF module holding the experts and the names of gate, up and down.
+EXPERT_NAMES = {
+    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+
+
+def stack_experts(weights: dict, experts: int, arch: str) -> dict:
     """llama.cpp's layout: per layer, the experts of each projection stacked into one
     [experts, rows, cols] tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps) and the
-    router as ffn_gate_inp."""
-    cfg = json.loads((folder / "config.json").read_text())
-    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    router as ffn_gate_inp; the per-expert tensors leave `weights`."""
+    module, names = EXPERT_NAMES[arch]
+    layers = {n.split(".")[2] for n in weights if f".{module}.experts." in n}
     out = {}
-    for name in list(weights):
-        if ".mlp.experts.0." not in name:
-            continue
-        layer = name.split(".")[2]
-        kind = name.split(".")[-2].removesuffix("_proj")
-        parts = [weights.pop(name.replace("experts.0.", f"experts.{e}.")) for e in range(experts)]
-        out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(parts)
-    for name in [n for n in weights if n.endswith("mlp.gate.weight")]:
-        out[f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"] = weights.pop(name)
+    for layer in sorted(layers):
+        p = f"model.layers.{layer}.{module}"
+        for kind, name in names.items():
+            parts = [weights.pop(f"{p}.experts.{e}.{name}.weight") for e in range(experts)]
+            out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(parts)
+        out[f"blk.{layer}.ffn_gate_inp.weight"] = weights.pop(f"{p}.gate.weight")
     return out
 
 
-def test_qwen3moe_gguf_matches_transformers(tiny_model_dir, tmp_path):
+def moe_only_copy(folder, out):
+    """llama.cpp's qwen3moe makes every layer a MoE layer: the tiny model's first (MoE)
+    layer alone, checked against transformers on that copy."""
     from safetensors.numpy import load_file, save_file
 
-    folder = tiny_model_dir("qwen3_moe")
-    cfg = json.loads((folder / "config.json").read_text())
-    # llama.cpp's qwen3moe makes every layer a MoE layer: a copy of the tiny model without
-    # its dense layer, checked against transformers on that copy
-    src = tmp_path / "all-moe"
-    src.mkdir()
+    out.mkdir()
     for f in folder.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
-            (src / f.name).write_bytes(f.read_bytes())
-    del cfg["mlp_only_layers"]
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("mlp_only_layers", None)
     cfg["num_hidden_layers"] = 1
-    (src / "config.json").write_text(json.dumps(cfg))
+    (out / "config.json").write_text(json.dumps(cfg))
     weights = {
         k: v
         for f in folder.glob("*.safetensors")
         for k, v in load_file(f).items()
-        if not k.startswith(("model.layers.1.", "model.layers.2."))
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
     }
-    save_file(weights, src / "model.safetensors")
-    stacked = stack_experts(src, dict(weights))
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize(("name", "arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_moe_gguf_matches_transformers(name, arch, tiny_model_dir, tmp_path):
+    """Stacked expert tensors as llama.cpp writes them (Mixtral: a `llama` GGUF with an
+    expert count and q/k rows permuted) give transformers' logits on the original."""
+    from safetensors.numpy import load_file
+
+    src = tiny_model_dir(name)
+    if name == "qwen3_moe":
+        src = moe_only_copy(src, tmp_path / "moe-only")
+    cfg = json.loads((src / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    weights = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    stacked = stack_experts(weights, experts, arch)
     gguf_path = write_gguf(
         src,
         tmp_path / "moe.gguf",
-        "qwen3moe",
+        arch,
+        permute_qk=arch == "llama",
         extra_tensors=stacked,
-        skip=lambda n: ".mlp.experts." in n or n.endswith("mlp.gate.weight"),
+        skip=lambda n: n not in weights,
         metadata_fn=lambda w, c: (
-            w.add_expert_count(c.get("num_experts") or c["num_local_experts"]),
+            w.add_expert_count(experts),
             w.add_expert_used_count(c["num_experts_per_tok"]),
-            w.add_expert_feed_forward_length(c["moe_intermediate_size"]),
+            w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or 0),
         ),
         layer_names=LAYER_NAMES,
     )
@@ -98,4 +116,5 @@ def test_qwen3moe_gguf_matches_transformers(tiny_model_dir, tmp_path):
         CompileOptions(model=str(gguf_path), output=tmp_path / "a", quiet=True)
     )
     worst, _, picks = run_parity(runner_for(artifact), load_hf(src))
-    assert worst <= 1e-4, f"qwen3moe GGUF: max abs logit error {worst}"
+    assert worst <= 1e-4, f"{name} GGUF: max abs logit error {worst}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
