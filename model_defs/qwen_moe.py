@@ -4,11 +4,13 @@ mixture-of-experts feed-forward layers (moe.py): a softmax router, the top
 `num_experts_per_tok` experts per token, their weights renormalised when `norm_topk_prob`;
 Qwen2-MoE adds a shared expert scaled by a sigmoid gate. Layers listed in
 `mlp_only_layers`, and those off the `decoder_sparse_step` grid, keep a dense MLP, as in
-transformers. Qwen2-MoE GGUFs (`qwen2moe`) are refused for now (unknown GGUF architecture).
+transformers.
 
-GGUF (llama.cpp): the experts as stacked `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`
-tensors and the router as `ffn_gate_inp`; every layer is a MoE layer and the router
-weights are always renormalised (llama.cpp fixes both for qwen3moe).
+GGUF (llama.cpp, `qwen3moe` and `qwen2moe`): the experts as stacked `ffn_gate_exps` /
+`ffn_up_exps` / `ffn_down_exps` tensors, the router as `ffn_gate_inp`, Qwen2-MoE's shared
+expert as `ffn_*_shexp` and its gate as the vector `ffn_gate_inp_shexp`; every layer is a
+MoE layer, and llama.cpp fixes the renormalisation per architecture (qwen3moe: on,
+qwen2moe: off).
 """
 
 from __future__ import annotations
@@ -100,9 +102,26 @@ QWEN3_MOE_GGUF_CONFIG = {
 }
 
 
+QWEN2_MOE_GGUF_CONFIG = {
+    **QWEN3_MOE_GGUF_CONFIG,
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
 def qwen3moe_gguf_fixup(cfg: dict[str, Any]) -> None:
     cfg["norm_topk_prob"] = True
     cfg.setdefault("intermediate_size", cfg.get("moe_intermediate_size"))
+
+
+def qwen2moe_gguf_fixup(cfg: dict[str, Any]) -> None:
+    cfg["norm_topk_prob"] = False
+    cfg.setdefault("intermediate_size", cfg.get("moe_intermediate_size"))
+
+
+def _gguf_shared(config: DecoderConfig, i: int):
+    b = f"blk.{i}"
+    shared = [f"{b}.ffn_{x}_shexp.weight" for x in ("gate", "up", "down")]
+    return (*shared, f"{b}.ffn_gate_inp_shexp.weight")
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
@@ -130,6 +149,10 @@ ARCHITECTURES = [
         qwen2_moe_from_hf,
         Qwen2MoeForCausalLM,
         with_moe_layers(dense_decoder_hf_map, _hf_experts, _hf_shared),
+        gguf_arch="qwen2moe",
+        gguf_config_keys=QWEN2_MOE_GGUF_CONFIG,
+        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, _gguf_experts, _gguf_shared),
+        gguf_config_fixup=qwen2moe_gguf_fixup,
         config_fields=QWEN2_MOE_FIELDS,
     ),
 ]

@@ -42,6 +42,7 @@ def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
 # Per family: the HF module holding the experts and the names of gate, up and down.
 EXPERT_NAMES = {
     "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "qwen2moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 
@@ -59,11 +60,17 @@ def stack_experts(weights: dict, experts: int, arch: str) -> dict:
             parts = [weights.pop(f"{p}.experts.{e}.{name}.weight") for e in range(experts)]
             out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(parts)
         out[f"blk.{layer}.ffn_gate_inp.weight"] = weights.pop(f"{p}.gate.weight")
+        if f"{p}.shared_expert_gate.weight" in weights:  # Qwen2-MoE; its gate as a vector
+            for kind in ("gate", "up", "down"):
+                shared = weights.pop(f"{p}.shared_expert.{kind}_proj.weight")
+                out[f"blk.{layer}.ffn_{kind}_shexp.weight"] = shared
+            gate = weights.pop(f"{p}.shared_expert_gate.weight")
+            out[f"blk.{layer}.ffn_gate_inp_shexp.weight"] = gate.reshape(-1)
     return out
 
 
 def moe_only_copy(folder, out):
-    """llama.cpp's qwen3moe makes every layer a MoE layer: the tiny model's first (MoE)
+    """llama.cpp's qwen2moe/qwen3moe make every layer a MoE layer: the tiny model's first (MoE)
     layer alone, checked against transformers on that copy."""
     from safetensors.numpy import load_file, save_file
 
@@ -73,6 +80,7 @@ def moe_only_copy(folder, out):
             (out / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("mlp_only_layers", None)
+    cfg.pop("layer_types", None)
     cfg["num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(cfg))
     weights = {
@@ -85,14 +93,16 @@ def moe_only_copy(folder, out):
     return out
 
 
-@pytest.mark.parametrize(("name", "arch"), [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+@pytest.mark.parametrize(
+    ("name", "arch"), [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")]
+)
 def test_moe_gguf_matches_transformers(name, arch, tiny_model_dir, tmp_path):
     """Stacked expert tensors as llama.cpp writes them (Mixtral: a `llama` GGUF with an
     expert count and q/k rows permuted) give transformers' logits on the original."""
     from safetensors.numpy import load_file
 
     src = tiny_model_dir(name)
-    if name == "qwen3_moe":
+    if name != "mixtral":
         src = moe_only_copy(src, tmp_path / "moe-only")
     cfg = json.loads((src / "config.json").read_text())
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
@@ -109,6 +119,7 @@ def test_moe_gguf_matches_transformers(name, arch, tiny_model_dir, tmp_path):
             w.add_expert_count(experts),
             w.add_expert_used_count(c["num_experts_per_tok"]),
             w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or 0),
+            w.add_expert_shared_feed_forward_length(c.get("shared_expert_intermediate_size") or 0),
         ),
         layer_names=LAYER_NAMES,
     )
