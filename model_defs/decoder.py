@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import tvm
 from tvm import relax as rx
 from tvm import te
 from tvm.relax.frontend import nn
@@ -20,12 +19,12 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from .config import ConfigError, DecoderConfig
+from .config import DecoderConfig
 from .moe import MoEMLP
 from .parts import (
-    SOFTCAP_ATTR,
-    WINDOW_ATTR,
     activation,
+    annotate_attention_kernels,
+    check_attention_support,
     layer_sm_scale,
     make_norm,
     rope_in_graph,
@@ -101,8 +100,8 @@ class Attention(nn.Module):
         self.rope = config.rope_table() if config.rope_in_graph else None
         if config.rope_in_graph and self.rope is None:
             scaling = config.rope_scaling or {}
-            windowed = config.layer_window(layer_id) is not None
-            factor = 1.0 if windowed else float(scaling.get("factor", 1.0))
+            local = config.is_sliding_layer(layer_id)
+            factor = 1.0 if local else float(scaling.get("factor", 1.0))
             theta = config.layer_rope_theta(layer_id)
             self.rope = functools.partial(rope_in_graph, theta=theta, factor=factor)
 
@@ -195,40 +194,6 @@ class DecoderBody(nn.Module):
         return self.norm(x)
 
 
-def _check_attention_support(config: DecoderConfig, target: Target) -> None:
-    """Sliding windows and attention soft-capping live in tallow's CPU attention kernels
-    only (schedules/cpu/attention.py); TVM's GPU kernels would silently ignore them."""
-    if target.kind.name == "llvm":
-        return
-    asked = []
-    if config.layer_types and any(config.layer_window(i) for i in range(len(config.layer_types))):
-        asked.append(f"sliding_window={config.sliding_window}")
-    if config.attn_logit_softcapping is not None:
-        asked.append(f"attn_logit_softcapping={config.attn_logit_softcapping}")
-    if asked:
-        raise ConfigError(
-            f"{', '.join(asked)}: implemented by the CPU attention kernels only, "
-            f"not on the {target.kind.name} target yet"
-        )
-
-
-def _annotate_attention_kernels(config: DecoderConfig) -> None:
-    """Mark the cache's attention kernels with the window and soft cap they must honour
-    (parts.WINDOW_ATTR, SOFTCAP_ATTR); the kernels that replace them read the marks."""
-    window = config.sliding_window if config.layer_types else None
-    cap = config.attn_logit_softcapping
-    if window is None and cap is None:
-        return
-    bb = rx.BlockBuilder.current()
-    for gv, func in list(bb.get().functions_items()):
-        if isinstance(func, tvm.tirx.PrimFunc) and "attention" in gv.name_hint:
-            if window is not None:
-                func = func.with_attr(WINDOW_ATTR, int(window))
-            if cap is not None:
-                func = func.with_attr(SOFTCAP_ATTR, float(cap))
-            bb.update_func(gv, func)
-
-
 class DecoderLM(nn.Module):
     """The exported model: token embedding, prefill/decode (single and batched), the final
     hidden states of a prefill (embeddings), KV cache.
@@ -248,7 +213,7 @@ class DecoderLM(nn.Module):
         if task not in TASKS:
             raise ValueError(f"unknown compile task {task!r}; choose from {', '.join(TASKS)}")
         quant = dict(quant or {})
-        _check_attention_support(config, target)
+        check_attention_support(config, target)
         self.config = config
         self.dtype = dtype
         self.target = target
@@ -342,7 +307,7 @@ class DecoderLM(nn.Module):
             dtype=self.dtype,
             target=self.target,
         )
-        _annotate_attention_kernels(c)
+        annotate_attention_kernels(c)
         return cache
 
     def get_default_spec(self) -> dict:

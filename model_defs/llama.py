@@ -22,7 +22,14 @@ class LlamaConfig(DecoderConfig):
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
         # Llama checkpoints may carry q/k/v biases (attention_bias); no per-head q/k norm.
+        # transformers' Llama has no window: a stray `sliding_window` means nothing to it.
+        cfg = {k: v for k, v in cfg.items() if k not in ("sliding_window", "layer_types")}
         return super().from_hf(cfg, qk_norm=False, **overrides)
+
+
+def mistral_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
+    """Mistral: `sliding_window` windows every layer (config.py); the CPU kernels apply it."""
+    return DecoderConfig.from_hf(cfg, qk_norm=False)
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -56,6 +63,5 @@ ARCHITECTURES = [
         gguf_config_fixup=llama_gguf_fixup,
         config_fields=LLAMA_FIELDS,
     ),
-    # Mistral: `sliding_window` windows every layer (config.py); it reaches the CPU kernels.
-    Architecture("MistralForCausalLM", LlamaConfig.from_hf, LlamaForCausalLM, dense_decoder_hf_map),
+    Architecture("MistralForCausalLM", mistral_from_hf, LlamaForCausalLM, dense_decoder_hf_map),
 ]

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 
+import tvm
+from tvm import relax as rx
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+
+from .config_fields import ConfigError
 
 # Attributes the decoder puts on the KV cache's attention kernels, read by the CPU kernels
 # that replace them (tallow.schedules.cpu.attention): the window of the windowed layers in
@@ -21,6 +25,40 @@ from tvm.relax.frontend.nn import Tensor, op
 # "this layer is windowed". Kernels that cannot honour these attributes must refuse them.
 WINDOW_ATTR = "tallow.attn_window"
 SOFTCAP_ATTR = "tallow.attn_softcap"
+
+
+def check_attention_support(config, target) -> None:
+    """Sliding windows and attention soft-capping live in tallow's CPU attention kernels
+    only (schedules/cpu/attention.py); TVM's GPU kernels would silently ignore them."""
+    if target.kind.name == "llvm":
+        return
+    asked = []
+    if config.windowed:
+        asked.append(f"sliding_window={config.sliding_window}")
+    if config.attn_logit_softcapping is not None:
+        asked.append(f"attn_logit_softcapping={config.attn_logit_softcapping}")
+    if asked:
+        raise ConfigError(
+            f"{', '.join(asked)}: implemented by the CPU attention kernels only, "
+            f"not on the {target.kind.name} target yet"
+        )
+
+
+def annotate_attention_kernels(config) -> None:
+    """Mark the cache's attention kernels with the window and soft cap they must honour
+    (parts.WINDOW_ATTR, SOFTCAP_ATTR); the kernels that replace them read the marks."""
+    window = config.sliding_window if config.windowed else None
+    cap = config.attn_logit_softcapping
+    if window is None and cap is None:
+        return
+    bb = rx.BlockBuilder.current()
+    for gv, func in list(bb.get().functions_items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and "attention" in gv.name_hint:
+            if window is not None:
+                func = func.with_attr(WINDOW_ATTR, int(window))
+            if cap is not None:
+                func = func.with_attr(SOFTCAP_ATTR, float(cap))
+            bb.update_func(gv, func)
 
 
 def layer_sm_scale(scale: float, windowed: bool) -> float:

@@ -40,6 +40,10 @@ class KVCacheInfo:
     num_layers: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    # Sliding-window attention: the window in positions and the layers it applies to (the
+    # attention kernels apply it; every layer keeps its whole history in the cache).
+    sliding_window: int | None = None
+    windowed_layers: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -197,6 +197,10 @@ class TVMModelRunner:
         self._end = get("vm.builtin.kv_state_end_forward")
         self._free_pages = get("vm.builtin.attention_kv_cache_get_num_available_pages")
         shape = tvm.runtime.ShapeTuple
+        # support_sliding_window=0 even for windowed models (manifest kv_cache.sliding_window):
+        # the cache's per-sequence window mode evicts old pages of every layer, and global
+        # layers still read them. Windows are per layer, applied by the attention kernels.
+        self.sliding_window = self.manifest.kv_cache.sliding_window
         self.kv_cache = self._funcs["create_paged_kv_cache"](
             shape([kv.max_batch_size]),
             shape([total]),

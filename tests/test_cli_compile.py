@@ -192,7 +192,7 @@ def test_unknown_architecture(capsys, model_copy, tmp_path):
     assert_clean_failure(capsys, out, argv, "FancyNetForCausalLM")
     code = main(argv)
     err = capsys.readouterr().err
-    assert code == 2 and "supported: LlamaForCausalLM" in err and "Qwen3ForCausalLM" in err
+    assert code == 2 and "supported: Gemma2ForCausalLM" in err and "Qwen3ForCausalLM" in err
 
 
 def test_truncated_safetensors(capsys, model_copy, tmp_path):
@@ -241,7 +241,7 @@ def test_unsupported_rope_scaling(capsys, model_copy, tmp_path):
     (model_copy / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     argv = ["compile", "--model", str(model_copy), "--output", str(out)]
-    assert_clean_failure(capsys, out, argv, "rope scaling type 'dynamic'")
+    assert_clean_failure(capsys, out, argv, "rope_scaling / rope_parameters: rope type 'dynamic'")
 
 
 def test_offline_hub_id_not_cached(tmp_path):

@@ -91,6 +91,8 @@ def test_windows_are_read_per_family():
     # Mistral: every layer; Qwen2: only with use_sliding_window, from max_window_layers on
     mistral = read("MistralForCausalLM", CONFIGS["mistral_window"])
     assert [mistral.layer_window(i) for i in range(2)] == [8, 8]
+    llama = read("LlamaForCausalLM", {**CONFIGS["llama_plain"], "sliding_window": 8})
+    assert not llama.windowed  # transformers' Llama ignores the field
     qwen = {**CONFIGS["qwen2"], "sliding_window": 8, "use_sliding_window": False}
     assert read("Qwen2ForCausalLM", qwen).layer_window(0) is None
     qwen.update(use_sliding_window=True, max_window_layers=1)
@@ -122,3 +124,12 @@ def test_windows_and_soft_caps_are_refused_off_the_cpu():
     family = get_architecture({"architectures": ["Gemma2ForCausalLM"]})
     with pytest.raises(ConfigError, match="sliding_window=8.*attn_logit_softcapping"):
         family.build(config, "float16", Target({"kind": "cuda", "arch": "sm_90"}))
+
+
+def test_gemma3_rope_base_follows_the_layer_kind_not_its_window():
+    """--context-window below the window makes windows moot, but a local layer still
+    rotates with the local base."""
+    config = read("Gemma3ForCausalLM", CONFIGS["gemma3"])
+    config.context_window_size = 8  # the window (8) spans the whole context
+    assert config.layer_window(0) is None and not config.windowed
+    assert config.layer_rope_theta(0) == 10000.0 and config.layer_rope_theta(1) == 1000000.0

@@ -205,7 +205,7 @@ def test_unsupported_gguf_architecture(capsys, tiny_model_dir, tmp_path):
     expect_failure(capsys, path, tmp_path / "out", "unsupported GGUF architecture 'mamba'")
     assert main(["compile", "--model", str(path), "--output", str(tmp_path / "out")]) == 2
     supported = capsys.readouterr().err.split("supported: ")[-1]
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe"):
+    for arch in ("gemma2", "gemma3", "llama", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe"):
         assert arch in supported.strip().split(", ")
 
 

@@ -90,3 +90,22 @@ def test_gemma_gguf_matches_transformers(arch, tiny_model_dir, tmp_path):
     worst, _, picks = run_parity(runner_for(artifact), load_hf(folder))
     assert worst <= 1e-4, f"{arch} GGUF: max abs logit error {worst}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+def test_window_over_a_forked_prefix(tiny_model_dir, tiny_artifact):
+    """Two sequences sharing a forked 20-token prefix, decoded together: the cache then
+    attends over the shared pages and each sequence's own in separate passes, and the
+    window must be measured in positions across both."""
+    hf = load_hf(tiny_model_dir("gemma3"))
+    runner = runner_for(tiny_artifact("gemma3", "f32"))
+    prefix = [int(x) for x in np.random.default_rng(4).integers(3, 300, size=20)]
+    runner.add_sequence(0)
+    runner.forward([(0, prefix)])
+    runner.fork_sequence(0, 1, len(prefix))
+    seqs = [prefix + [7], prefix + [9]]
+    for _ in range(6):
+        ours = runner.forward([(i, [s[-1]]) for i, s in enumerate(seqs)])
+        for i, s in enumerate(seqs):
+            ref = hf_last_logits(hf, s)
+            assert np.abs(ours[i] - ref).max() <= 1e-4
+            s.append(int(ref.argmax()))
