@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tallow.model_defs.config import ROPE_FREQ_FACTORS_KEY
 from tallow.model_defs.registry import (
     Architecture,
     UnknownArchitectureError,
@@ -82,8 +83,16 @@ class GGUFCheckpoint:
         return set(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse. Stacked
+        # tensors (MoE experts, [experts, rows, cols]) read as one [experts * rows, cols]
+        # matrix: rows of blocks, as their parameters are declared (model_defs/moe.py).
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))
+        if len(shape) > 2:
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            return (rows, shape[-1])
+        return shape
 
     def source_type(self, name: str) -> str:
         """Our block-type name of a tensor ("q4_1", "q4k", ...), or "float"."""
@@ -184,13 +193,9 @@ def gguf_config(reader, arch: Architecture, tensor_names: set[str]) -> dict:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is not None:
             cfg["vocab_size"] = len(tokens.data)
-    scaling = _field(reader, f"{prefix}.rope.scaling.type")
-    if scaling == "linear":
-        factor = float(_field(reader, f"{prefix}.rope.scaling.factor") or 1.0)
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    elif (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
-        kind = scaling or "per-dimension rope_freqs (llama3-style)"
-        raise ModelSourceError(f"GGUF rope scaling {kind!r} is not supported yet")
+    _rope_config(reader, prefix, cfg)
+    if "rope_freqs.weight" in tensor_names and ROPE_FREQ_FACTORS_KEY not in cfg:
+        raise ModelSourceError("GGUF rope_freqs tensor is not in the first file of the set")
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     if arch.gguf_config_fixup is not None:
         arch.gguf_config_fixup(cfg)
@@ -199,6 +204,50 @@ def gguf_config(reader, arch: Architecture, tensor_names: set[str]) -> dict:
         if value is not None:
             cfg[hf_key] = int(value)
     return cfg
+
+
+def _rope_tensor(reader, name: str) -> list[float] | None:
+    for t in reader.tensors:
+        if t.name == name:
+            return [float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    return None
+
+
+def _rope_config(reader, prefix: str, cfg: dict) -> None:
+    """RoPE settings as llama.cpp's converter stores them: `rope.scaling.type` linear; a
+    `rope_freqs` tensor of per-dimension divisors for Llama 3.1+ (the llama3 parameters
+    themselves are not kept); `rope_factors_long` / `rope_factors_short` tensors plus the
+    original context and cos/sin multiplier for LongRoPE (Phi-3); `rope.dimension_count`
+    below the head size for partial rotary."""
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // heads)
+    rope_dims = _field(reader, f"{prefix}.rope.dimension_count")
+    if rope_dims is not None and head_dim and int(rope_dims) != head_dim:
+        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
+    scaling = _field(reader, f"{prefix}.rope.scaling.type")
+    freqs = _rope_tensor(reader, "rope_freqs.weight")
+    long, short = (_rope_tensor(reader, f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if scaling == "linear":
+        factor = float(_field(reader, f"{prefix}.rope.scaling.factor") or 1.0)
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling not in (None, "none"):
+        raise ModelSourceError(f"GGUF rope scaling {scaling!r} is not supported yet")
+    if freqs is not None:
+        cfg[ROPE_FREQ_FACTORS_KEY] = freqs
+    if (long is None) != (short is None):
+        raise ModelSourceError("GGUF has only one of rope_factors_long / rope_factors_short")
+    if long is not None:
+        original = _field(reader, f"{prefix}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelSourceError(
+                "GGUF LongRoPE factors without rope.scaling.original_context_length"
+            )
+        longrope = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+        longrope["original_max_position_embeddings"] = int(original)
+        attention = _field(reader, f"{prefix}.rope.scaling.attn_factor")
+        if attention is not None:
+            longrope["attention_factor"] = float(attention)
+        cfg["rope_scaling"] = longrope
 
 
 def gguf_source(spec: str, path: Path) -> GGUFModelSource:

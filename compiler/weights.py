@@ -95,11 +95,21 @@ def check_weight_map(
         shapes = [shape_of(s) for s in sources]
         fused = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes else ()
         expected = logical_shape(p, qtype_of(p.name))
+        if _is_vector_of(shapes, expected):
+            continue
         if tuple(fused) != expected:
             raise ModelSourceError(
                 f"tensor(s) {', '.join(sources)} have shape {list(fused)}; the config implies "
                 f"{list(expected)} for {p.name}"
             )
+
+
+def _is_vector_of(shapes: list[tuple[int, ...]], expected: tuple[int, ...]) -> bool:
+    """One source holding a single row or column where the parameter is the other: a
+    [1, n] weight stored as an [n] vector (GGUF's Qwen2-MoE shared-expert gate)."""
+    if len(shapes) != 1 or tuple(shapes[0]) == tuple(expected):
+        return False
+    return [d for d in shapes[0] if d != 1] == [d for d in expected if d != 1]
 
 
 def _converted(
@@ -119,7 +129,8 @@ def _converted(
         target = _NUMPY_DTYPES[p.dtype]
         # Cast through float32: numpy has no direct bf16 <-> f16 path.
         parts = [a if a.dtype == target else a.astype(np.float32).astype(target) for a in parts]
-        yield p, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        yield p, arr.reshape(p.shape) if _is_vector_of([arr.shape], tuple(p.shape)) else arr
 
 
 def write_weight_shards(

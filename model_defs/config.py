@@ -32,8 +32,34 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if rope_type == "default":
             scaling = None
         else:
-            scaling["rope_type"] = rope_type
+            # "su" is LongRoPE's earlier name (Phi-3 checkpoints still carry it)
+            scaling["rope_type"] = "longrope" if rope_type == "su" else rope_type
     return float(theta), scaling
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Top level (transformers 4) or inside `rope_parameters` (transformers 5)."""
+    params = cfg.get("rope_parameters") or {}
+    value = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    return float(value if value is not None else 1.0)
+
+
+def _complete_longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """LongRoPE reads two more numbers from the top level of older configs: the pretraining
+    context and the extension `factor` (max over original, which sets the cos/sin
+    multiplier); both are kept in the scaling dict, before `--context-window` shrinks the
+    compiled window."""
+    if "original_max_position_embeddings" not in scaling:
+        original = cfg.get("original_max_position_embeddings")
+        if original is None:
+            raise ConfigError("rope_scaling longrope: original_max_position_embeddings is not set")
+        scaling["original_max_position_embeddings"] = int(original)
+    missing = [k for k in ("long_factor", "short_factor") if not scaling.get(k)]
+    if missing:
+        raise ConfigError(f"rope_scaling longrope: {', '.join(missing)} not set")
+    if "factor" not in scaling and cfg.get("max_position_embeddings"):
+        original = scaling["original_max_position_embeddings"]
+        scaling["factor"] = int(cfg["max_position_embeddings"]) / original
 
 
 def _layer_types(cfg: dict[str, Any]) -> list[str] | None:
@@ -52,9 +78,11 @@ def _layer_types(cfg: dict[str, Any]) -> list[str] | None:
     return None
 
 
-SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# Our own key (not an HF field): the GGUF reader puts a `rope_freqs` tensor's values here.
+ROPE_FREQ_FACTORS_KEY = "tallow_rope_freq_factors"
 
 
 @dataclass
@@ -92,6 +120,19 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None  # sliding layers' RoPE base, where it differs
+    # Rotated share of each head (Phi-4-mini: 0.75) and per-dimension frequency divisors
+    # (a Llama 3.1+ GGUF's `rope_freqs` tensor); both rotate in the graph (rope.py).
+    partial_rotary_factor: float = 1.0
+    rope_freq_factors: list[float] | None = None
+    # Mixture of experts (moe.py): layers listed in `moe_layers` replace the dense MLP with
+    # `num_experts` experts of width `moe_intermediate_size`, `num_experts_per_tok` per token
+    # (their router weights renormalised to sum 1 with `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, sigmoid-gated
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:
@@ -111,6 +152,8 @@ class DecoderConfig:
         check_fields(cfg)
         layer_types = _layer_types(cfg)
         theta, scaling = _rope_settings(cfg)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            _complete_longrope(cfg, scaling)
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else list(eos))
         values: dict[str, Any] = dict(
@@ -132,6 +175,8 @@ class DecoderConfig:
             eos_token_id=eos_list,
             sliding_window=(cfg.get("sliding_window") or None) if layer_types else None,
             layer_types=layer_types,
+            partial_rotary_factor=_partial_rotary_factor(cfg),
+            rope_freq_factors=cfg.get(ROPE_FREQ_FACTORS_KEY),
         )
         values.update(overrides)
         config = cls(**values)
@@ -170,6 +215,50 @@ class DecoderConfig:
                 )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < rotary <= self.head_dim or rotary != int(rotary) or int(rotary) % 2:
+            raise ConfigError(
+                f"partial_rotary_factor={self.partial_rotary_factor} does not rotate an even "
+                f"number of the {self.head_dim} dimensions of a head"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+        if self.rope_freq_factors is not None and self.rope_scaling is not None:
+            raise ConfigError("rope_freqs together with rope scaling metadata is ambiguous")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != rotary // 2:
+            raise ConfigError(
+                f"rope_freqs has {len(self.rope_freq_factors)} values for {int(rotary) // 2} "
+                "rotated dimension pairs"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def rope_table(self):
+        """The rope.RopeTable the graph rotates with, or None where the KV cache's own RoPE
+        (default, llama3) or Gemma's per-layer rotation applies."""
+        from .rope import RopeTable, inverse_frequencies, longrope_factors
+
+        longrope = (self.rope_scaling or {}).get("rope_type") == "longrope"
+        if not (longrope or self.rope_freq_factors or self.rotary_dim != self.head_dim):
+            return None
+        divisors, attention = self.rope_freq_factors, 1.0
+        if longrope:
+            divisors, attention = longrope_factors(self.rope_scaling, self.context_window_size)
+            if len(divisors) != self.rotary_dim // 2:
+                raise ConfigError(
+                    f"rope_scaling longrope: {len(divisors)} factors for "
+                    f"{self.rotary_dim // 2} rotated dimension pairs"
+                )
+        inv_freq = inverse_frequencies(self.rope_theta, self.rotary_dim, divisors)
+        return RopeTable(inv_freq, attention)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts > 0 and layer_id in self.moe_layers
 
     def layer_window(self, layer_id: int) -> int | None:
         """The layer's attention window in positions, or None for full attention (also when
@@ -200,7 +289,7 @@ class DecoderConfig:
         cache applies one setting to every layer."""
         local = self.rope_local_theta is not None and self.rope_local_theta != self.rope_theta
         linear = (self.rope_scaling or {}).get("rope_type") == "linear"
-        return local or linear
+        return local or linear or self.rope_table() is not None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -44,7 +44,15 @@ COMMON_FIELDS = frozenset(
 # No effect on inference outputs: training-only settings, padding, caching switches;
 # `pretraining_tp` only splits Llama's matmuls into slices with the same result.
 HARMLESS = frozenset(
-    {"initializer_range", "use_cache", "pad_token_id", "attention_dropout", "pretraining_tp"}
+    {
+        "initializer_range",
+        "use_cache",
+        "pad_token_id",
+        "attention_dropout",
+        "pretraining_tp",
+        "resid_pdrop",  # dropouts: training only (Phi-3)
+        "embd_pdrop",
+    }
 )
 
 

@@ -10,6 +10,8 @@ lives here once.
 
 from __future__ import annotations
 
+import functools
+
 from tvm import relax as rx
 from tvm import te
 from tvm.relax.frontend import nn
@@ -18,6 +20,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
+from .moe import MoEMLP
 from .parts import (
     activation,
     annotate_attention_kernels,
@@ -97,12 +100,14 @@ class Attention(nn.Module):
         scale = (scalar if scalar is not None else self.head_dim) ** -0.5
         self.sm_scale = layer_sm_scale(scale, config.layer_window(layer_id) is not None)
         # RoPE in the graph when layers rotate differently (the cache then applies none)
-        self.rope = None
-        if config.rope_in_graph:
+        # (a frequency table: rope.py; else Gemma's per-layer base and linear factor)
+        self.rope = config.rope_table() if config.rope_in_graph else None
+        if config.rope_in_graph and self.rope is None:
             scaling = config.rope_scaling or {}
             local = config.is_sliding_layer(layer_id)
             factor = 1.0 if local else float(scaling.get("factor", 1.0))
-            self.rope = (config.layer_rope_theta(layer_id), factor)
+            theta = config.layer_rope_theta(layer_id)
+            self.rope = functools.partial(rope_in_graph, theta=theta, factor=factor)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
@@ -115,23 +120,24 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rope is not None:
                 positions = kv_cache.get_query_positions(b * s)
-                q = op.reshape(
-                    rope_in_graph(op.reshape(q, (b * s, hq, d)), positions, *self.rope),
-                    (b, s, hq, d),
-                )
-                k = op.reshape(
-                    rope_in_graph(op.reshape(k, (b * s, hkv, d)), positions, *self.rope),
-                    (b, s, hkv, d),
-                )
+                q = op.reshape(self.rope(op.reshape(q, (b * s, hq, d)), positions), (b, s, hq, d))
+                k = op.reshape(self.rope(op.reshape(k, (b * s, hkv, d)), positions), (b, s, hkv, d))
             qkv = op.concat([q, k, v], dim=2)
         out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=self.sm_scale)
         return self.o_proj(op.reshape(out, (b, s, hq * d)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        dtype: str,
+        prefix: str,
+        quant: QuantTypes,
+        width: int | None = None,  # a shared expert's own width (Qwen2-MoE)
+    ):
         self.act = config.hidden_act
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, width or config.intermediate_size
         self.gate_up_proj = fused_linear(
             f"{prefix}.gate_up_proj", hidden, [inter, inter], False, dtype, quant, linear
         )
@@ -153,7 +159,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(dim, eps, offset, dtype)
         self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant, layer_id)
         self.post_attention_layernorm = make_norm(dim, eps, offset, dtype)
-        self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoEMLP(config, dtype, f"{prefix}.mlp", quant)
+        else:
+            self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
         self.sandwich = config.norm_placement == "sandwich"
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(dim, eps, offset, dtype)

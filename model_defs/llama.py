@@ -36,6 +36,20 @@ class LlamaForCausalLM(DecoderLM):
     pass
 
 
+# llama.cpp writes Mixtral as a `llama` GGUF that counts experts.
+LLAMA_GGUF_CONFIG = {
+    **DENSE_DECODER_GGUF_CONFIG,
+    "expert_count": "num_local_experts",
+    "expert_used_count": "num_experts_per_tok",
+}
+
+
+def llama_gguf_fixup(cfg: dict[str, Any]) -> None:
+    """A `llama` GGUF with experts is a Mixtral (mixtral.py)."""
+    if cfg.get("num_local_experts"):
+        cfg["architectures"] = ["MixtralForCausalLM"]
+
+
 ARCHITECTURES = [
     Architecture(
         "LlamaForCausalLM",
@@ -43,9 +57,10 @@ ARCHITECTURES = [
         LlamaForCausalLM,
         dense_decoder_hf_map,
         gguf_arch="llama",
-        gguf_config_keys=DENSE_DECODER_GGUF_CONFIG,
+        gguf_config_keys=LLAMA_GGUF_CONFIG,
         gguf_weight_map=dense_decoder_gguf_map,
         gguf_permute_qk=True,
+        gguf_config_fixup=llama_gguf_fixup,
         config_fields=LLAMA_FIELDS,
     ),
     Architecture("MistralForCausalLM", mistral_from_hf, LlamaForCausalLM, dense_decoder_hf_map),

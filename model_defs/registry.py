@@ -39,13 +39,16 @@ class UnknownArchitectureError(ValueError):
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import gemma, llama, qwen2, qwen3
+    from . import gemma, llama, mixtral, phi3, qwen2, qwen3, qwen_moe
 
     archs = [
         *llama.ARCHITECTURES,
         *qwen2.ARCHITECTURES,
         *qwen3.ARCHITECTURES,
         *gemma.ARCHITECTURES,
+        *phi3.ARCHITECTURES,
+        *qwen_moe.ARCHITECTURES,
+        *mixtral.ARCHITECTURES,
     ]
     return {a.hf_name: a for a in archs}
 

@@ -112,6 +112,7 @@ def write_gguf(
     layer_names: dict[str, str] = LAYER_NAMES,
     tensor_fn=None,
     metadata_fn=None,
+    skip=None,
 ) -> Path:
     """A GGUF holding the weights of a tiny HF model folder (float32) and its tokenizer.
 
@@ -157,6 +158,8 @@ def write_gguf(
     if metadata_fn is not None:
         metadata_fn(writer, cfg)
     for name, arr in weights.items():
+        if skip is not None and skip(name):
+            continue  # written by the caller as extra_tensors (stacked experts)
         arr = np.ascontiguousarray(arr.astype(np.float32))
         if permute_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
@@ -176,3 +179,74 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a llama3 rope scaling: per
+    rotated pair, the divisor of its frequency (1 for short wavelengths, `factor` for long
+    ones, a smooth blend between), from the published llama3 formula."""
+    s = cfg["rope_scaling"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+# Phi-3's fused projections, as llama.cpp's converter names them (gate and up in `ffn_up`).
+PHI3_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+
+
+def write_phi3_gguf(model_dir: Path, out: Path) -> Path:
+    """A Phi-3 GGUF as llama.cpp's converter writes it: the rotated dimensions, the
+    pretraining context, LongRoPE's cos/sin multiplier in the metadata and its factors as
+    `rope_factors_long` / `rope_factors_short` tensors; sliding_window 0 for none."""
+    import math
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    params = cfg.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    extra = {}
+    longrope = params.get("rope_type") == "longrope"
+    if longrope:
+        extra = {
+            f"rope_factors_{k}.weight": np.asarray(params[f"{k}_factor"], dtype=np.float32)
+            for k in ("long", "short")
+        }
+
+    def metadata(writer, cfg: dict) -> None:
+        writer.add_rope_dimension_count(int(partial * head_dim))
+        original = cfg["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        if longrope:
+            scale = cfg["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original))
+            )
+
+    return write_gguf(
+        model_dir,
+        out,
+        "phi3",
+        layer_names=PHI3_LAYER_NAMES,
+        metadata_fn=metadata,
+        extra_tensors=extra,
+    )

@@ -26,6 +26,10 @@ FAMILIES = {
     "Qwen3ForCausalLM": ("Qwen3Config", "qwen3"),
     "Gemma2ForCausalLM": ("Gemma2Config", "gemma2"),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", "gemma3"),
+    "Phi3ForCausalLM": ("Phi3Config", "phi3"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "qwen3_moe"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", "qwen2_moe"),
+    "MixtralForCausalLM": ("MixtralConfig", "mixtral"),
 }
 
 

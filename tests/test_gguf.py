@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_models import write_gguf
+from gguf_models import llama3_rope_freqs, write_gguf
+from test_parity import run_parity, runner_for
 
 from tallow.cli.generate import encode_prompt
 from tallow.cli.main import main
@@ -19,6 +20,7 @@ from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.served_model import ServedModel
 
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
+from tiny_models import CONFIGS, load_hf
 
 PROMPTS = [[5, 17, 40, 3, 99, 250, 7], [11, 12, 13, 200, 201, 66, 8, 9, 10, 120, 44]]
 
@@ -49,6 +51,42 @@ def test_tiny_gguf_matches_safetensors(
     )
     art = compile_to(gguf_path, tmp_path / "out")
     np.testing.assert_allclose(logits_of(art), logits_of(tiny_artifact(name)), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama3_rope_freqs_gguf_matches_transformers(tiny_model_dir, tmp_path):
+    """A Llama 3.1-style GGUF: llama.cpp keeps no llama3 scaling parameters, only the
+    `rope_freqs` tensor of per-dimension divisors; compiled from it, the logits equal
+    transformers' on the safetensors original with its llama3 rope_scaling."""
+    folder = tiny_model_dir("llama")
+    freqs = llama3_rope_freqs(CONFIGS["llama"])
+    assert 1.0 in freqs and 8.0 in freqs and len(set(freqs.tolist())) == 3  # all three regimes
+    gguf_path = write_gguf(
+        folder,
+        tmp_path / "llama31.gguf",
+        "llama",
+        permute_qk=True,
+        extra_tensors={"rope_freqs.weight": freqs},
+    )
+    worst, _, picks = run_parity(
+        runner_for(compile_to(gguf_path, tmp_path / "out")), load_hf(folder)
+    )
+    assert worst <= 1e-4, f"max abs logit error {worst}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+def test_llama3_scaling_changes_the_reference(tiny_model_dir):
+    """Without its llama3 scaling the same transformers model answers differently at the
+    parity test's positions: the test above could not pass by ignoring rope_freqs."""
+    import transformers
+    from test_parity import PROMPTS, hf_last_logits
+
+    folder = tiny_model_dir("llama")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 500000.0}
+    ).eval()
+    diff = np.abs(hf_last_logits(load_hf(folder), PROMPTS[1]) - hf_last_logits(plain, PROMPTS[1]))
+    assert diff.max() > 1e-2
 
 
 @pytest.mark.slow
@@ -166,7 +204,9 @@ def test_unsupported_gguf_architecture(capsys, tiny_model_dir, tmp_path):
     path = write_gguf(tiny_model_dir("qwen3"), tmp_path / "t.gguf", "mamba")
     expect_failure(capsys, path, tmp_path / "out", "unsupported GGUF architecture 'mamba'")
     assert main(["compile", "--model", str(path), "--output", str(tmp_path / "out")]) == 2
-    assert "supported: gemma2, gemma3, llama, qwen2, qwen3" in capsys.readouterr().err
+    supported = capsys.readouterr().err.split("supported: ")[-1]
+    for arch in ("gemma2", "gemma3", "llama", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe"):
+        assert arch in supported.strip().split(", ")
 
 
 def test_unsupported_tensor_type(capsys, tiny_model_dir, tmp_path):

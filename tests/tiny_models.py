@@ -42,7 +42,8 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     },
-    # GGUF has no llama3 rope-scaling fields (llama.cpp stores a rope_freqs tensor instead).
+    # GGUF has no llama3 rope-scaling fields (llama.cpp stores a rope_freqs tensor instead;
+    # test_gguf writes one from this model).
     "llama_plain": {
         **BASE,
         "architectures": ["LlamaForCausalLM"],
@@ -139,6 +140,79 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
         "tie_word_embeddings": True,
+    },
+    # Phi-3: fused qkv and gate_up in the checkpoint, default RoPE.
+    "phi3": {
+        **BASE,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "pad_token_id": 0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    },
+    # Phi-4-mini's shape of RoPE: 3/4 of each head rotates, LongRoPE with factors that
+    # differ per dimension; the pretraining context (4) is below every parity sequence, so
+    # transformers rotates with the long factors throughout, as the compiled model does
+    # (its 256-position window exceeds 4); the cos/sin multiplier is sqrt(1 + ln 64 / ln 4).
+    "phi3_longrope": {
+        **BASE,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "pad_token_id": 0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 4,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0],
+            "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5],
+        },
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    # Qwen3-MoE: 8 experts, 2 per token (renormalised); layer 1 is a dense MLP
+    # (mlp_only_layers), so both layer kinds are exercised.
+    "qwen3_moe": {
+        **BASE,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # Qwen2-MoE: q/k/v biases, router weights not renormalised, a shared expert with its
+    # sigmoid gate on every MoE layer; layer 1 off the decoder_sparse_step grid stays dense.
+    "qwen2_moe": {
+        **BASE,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 2,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    # Mixtral: every layer MoE, 4 experts of width intermediate_size, 2 per token.
+    "mixtral": {
+        **BASE,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
     },
     # Mistral's window covers every layer.
     "mistral_window": {

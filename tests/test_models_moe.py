@@ -1,0 +1,131 @@
+"""Mixture-of-experts tiny models against transformers (issue 22): more experts than
+picked per token, tokens of one batch routed to different experts, dense and MoE layers
+in one model; the same weights through a GGUF with stacked expert tensors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf_models import LAYER_NAMES, write_gguf
+from test_parity import PROMPTS, run_parity, runner_for
+
+from tallow.compiler.pipeline import CompileOptions, compile_model
+
+from tiny_models import load_hf
+
+pytestmark = pytest.mark.slow
+
+
+def routed_experts(hf, ids: list[int]) -> set[tuple[int, ...]]:
+    """The expert sets transformers' router picks for each token of layer 0."""
+    picks: list = []
+    gate = hf.model.layers[0].mlp.gate
+    hook = gate.register_forward_hook(lambda _m, _i, out: picks.append(out[2]))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    hook.remove()
+    return {tuple(sorted(row.tolist())) for row in picks[0]}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
+    hf = load_hf(tiny_model_dir(name))
+    assert len(routed_experts(hf, PROMPTS[0] + PROMPTS[1])) >= 4  # tokens differ in routing
+    worst, _, picks = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
+    assert worst <= 1e-4, f"{name}: max abs logit error {worst}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+# Per family: the HF module holding the experts and the names of gate, up and down.
+EXPERT_NAMES = {
+    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "qwen2moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+
+
+def stack_experts(weights: dict, experts: int, arch: str) -> dict:
+    """llama.cpp's layout: per layer, the experts of each projection stacked into one
+    [experts, rows, cols] tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps) and the
+    router as ffn_gate_inp; the per-expert tensors leave `weights`."""
+    module, names = EXPERT_NAMES[arch]
+    layers = {n.split(".")[2] for n in weights if f".{module}.experts." in n}
+    out = {}
+    for layer in sorted(layers):
+        p = f"model.layers.{layer}.{module}"
+        for kind, name in names.items():
+            parts = [weights.pop(f"{p}.experts.{e}.{name}.weight") for e in range(experts)]
+            out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(parts)
+        out[f"blk.{layer}.ffn_gate_inp.weight"] = weights.pop(f"{p}.gate.weight")
+        if f"{p}.shared_expert_gate.weight" in weights:  # Qwen2-MoE; its gate as a vector
+            for kind in ("gate", "up", "down"):
+                shared = weights.pop(f"{p}.shared_expert.{kind}_proj.weight")
+                out[f"blk.{layer}.ffn_{kind}_shexp.weight"] = shared
+            gate = weights.pop(f"{p}.shared_expert_gate.weight")
+            out[f"blk.{layer}.ffn_gate_inp_shexp.weight"] = gate.reshape(-1)
+    return out
+
+
+def moe_only_copy(folder, out):
+    """llama.cpp's qwen2moe/qwen3moe make every layer a MoE layer: the tiny model's first (MoE)
+    layer alone, checked against transformers on that copy."""
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("mlp_only_layers", None)
+    cfg.pop("layer_types", None)
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = {
+        k: v
+        for f in folder.glob("*.safetensors")
+        for k, v in load_file(f).items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "arch"), [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama")]
+)
+def test_moe_gguf_matches_transformers(name, arch, tiny_model_dir, tmp_path):
+    """Stacked expert tensors as llama.cpp writes them (Mixtral: a `llama` GGUF with an
+    expert count and q/k rows permuted) give transformers' logits on the original."""
+    from safetensors.numpy import load_file
+
+    src = tiny_model_dir(name)
+    if name != "mixtral":
+        src = moe_only_copy(src, tmp_path / "moe-only")
+    cfg = json.loads((src / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    weights = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    stacked = stack_experts(weights, experts, arch)
+    gguf_path = write_gguf(
+        src,
+        tmp_path / "moe.gguf",
+        arch,
+        permute_qk=arch == "llama",
+        extra_tensors=stacked,
+        skip=lambda n: n not in weights,
+        metadata_fn=lambda w, c: (
+            w.add_expert_count(experts),
+            w.add_expert_used_count(c["num_experts_per_tok"]),
+            w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or 0),
+            w.add_expert_shared_feed_forward_length(c.get("shared_expert_intermediate_size") or 0),
+        ),
+        layer_names=LAYER_NAMES,
+    )
+    artifact = compile_model(
+        CompileOptions(model=str(gguf_path), output=tmp_path / "a", quiet=True)
+    )
+    worst, _, picks = run_parity(runner_for(artifact), load_hf(src))
+    assert worst <= 1e-4, f"{name} GGUF: max abs logit error {worst}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
