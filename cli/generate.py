@@ -74,8 +74,10 @@ def run_generate(args) -> int:
         raise TallowError(str(e)) from e
     sys.stdout.write(detok.flush() + "\n")
     sys.stdout.flush()
+    library = getattr(runner, "library", None)  # the fake runner of the tests has none
+    loaded = f" ({library.file})" if library is not None else ""
     print(
-        f"load {load_seconds:.2f}s ({runner.library.file}) | prompt {stats.prompt_tokens} tokens, "
+        f"load {load_seconds:.2f}s{loaded} | prompt {stats.prompt_tokens} tokens, "
         f"{stats.prefill_tok_s:.1f} tok/s | generated {stats.generated_tokens} tokens, "
         f"{stats.decode_tok_s:.1f} tok/s | finish: {stats.finish_reason}",
         file=sys.stderr,
