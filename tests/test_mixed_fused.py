@@ -184,5 +184,6 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     scale = np.abs(want[0]).max()
     assert np.abs(got[0] - want[0]).max() <= 1e-4 * scale
     assert np.abs(got[1] - want[1]).max() <= 0.05 * np.abs(want[1]).max()
-    if manifest["target"]["details"].get("decode_activations") == "int8_g32_row_step":
+    (library,) = manifest["libraries"]
+    if library["details"].get("decode_activations") == "int8_g32_row_step":
         assert not np.array_equal(got[1], want[1])  # the runs' int8 kernels really ran
