@@ -25,12 +25,13 @@ from tallow.runtime.errors import ArtifactError, TallowError
 from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import MAIN_WEIGHTS, Manifest
 
-from .libraries import resolve_targets, weight_shard_prefix
+from .libraries import resolve_targets
+from .phases import write_weight_set
 from .pipeline import CompileOptions, CompileState, library_phases, make_partial_dir
 from .progress import Progress
 from .quant_plan import QuantPlan
 from .target import DTYPES
-from .weights import ParamSpec, write_weight_shards
+from .weights import ParamSpec
 
 
 @dataclass
@@ -146,15 +147,7 @@ def _read_source(state: CompileState, manifest: Manifest, folder: Path) -> str:
 def _convert_new_sets(state: CompileState, known: set[str]) -> str:
     new = {name: params for name, params in state.weight_sets.items() if name not in known}
     for name, params in new.items():
-        state.other_param_infos[name] = write_weight_shards(
-            state.work_dir,
-            params,
-            state.weight_map,
-            state.checkpoint,
-            state.progress,
-            state.quant_plan,
-            prefix=weight_shard_prefix(name),
-        )
+        state.other_param_infos[name] = write_weight_set(state, name, params)
     if not new:
         return "none: every new library takes the artifact's weights as they are"
     return f"new weight set(s): {', '.join(new)}"

@@ -167,20 +167,25 @@ def build_library(state: CompileState) -> str:
     return f"{name}: {path.stat().st_size / 2**20:.1f} MiB (weight set {weights})"
 
 
+def write_weight_set(state: CompileState, set_name: str, params: list) -> list:
+    """The shards of one weight set (`main`, or a library's own layout), named by the set."""
+    return write_weight_shards(
+        state.work_dir,
+        params,
+        state.weight_map,
+        state.checkpoint,
+        state.progress,
+        state.quant_plan,
+        prefix=weight_shard_prefix(set_name),
+    )
+
+
 def convert_weights(state: CompileState) -> str:
     """Every weight set once (today one, `main`, whatever the number of targets)."""
     if not state.weight_sets:  # no library built (a caller running single phases)
         state.weight_sets[MAIN_WEIGHTS] = state.params
     for set_name, params in state.weight_sets.items():
-        infos = write_weight_shards(
-            state.work_dir,
-            params,
-            state.weight_map,
-            state.checkpoint,
-            state.progress,
-            state.quant_plan,
-            prefix=weight_shard_prefix(set_name),
-        )
+        infos = write_weight_set(state, set_name, params)
         if set_name == MAIN_WEIGHTS:
             state.param_infos = infos
         else:

@@ -22,7 +22,7 @@ from .config_fields import COMMON_FIELDS
 from .decoder import DecoderLM
 from .parts import embed_scale_value
 from .registry import Architecture
-from .weight_map import DENSE_DECODER_GGUF_CONFIG, WeightMap
+from .weight_map import DENSE_DECODER_GGUF_CONFIG, WeightMap, dense_decoder_gguf_map
 
 # Our own key (not an HF field): the GGUF reader sets it to 0, its norms holding 1 + w.
 NORM_OFFSET_KEY = "tallow_norm_weight_offset"
@@ -135,22 +135,12 @@ GGUF_NORMS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 
 
 def gguf_map(config: DecoderConfig) -> WeightMap:
-    m: WeightMap = {"model.embed_tokens.weight": ["token_embd.weight"]}
+    """llama.cpp's names: the dense decoder's, with Gemma's four norms per layer."""
+    m = dense_decoder_gguf_map(config)
     for i in range(config.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
-        attn = f"{p}.self_attn"
-        m[f"{attn}.qkv_proj.weight"] = [f"{b}.attn_{x}.weight" for x in "qkv"]
-        if config.qk_norm:
-            m[f"{attn}.q_norm.weight"] = [f"{b}.attn_q_norm.weight"]
-            m[f"{attn}.k_norm.weight"] = [f"{b}.attn_k_norm.weight"]
-        m[f"{attn}.o_proj.weight"] = [f"{b}.attn_output.weight"]
-        m[f"{p}.mlp.gate_up_proj.weight"] = [f"{b}.ffn_gate.weight", f"{b}.ffn_up.weight"]
-        m[f"{p}.mlp.down_proj.weight"] = [f"{b}.ffn_down.weight"]
         for norm, gguf_norm in zip(NORMS, GGUF_NORMS, strict=True):
             m[f"{p}.{norm}.weight"] = [f"{b}.{gguf_norm}.weight"]
-    m["model.norm.weight"] = ["output_norm.weight"]
-    if not config.tie_word_embeddings:
-        m["lm_head.weight"] = ["output.weight"]
     return m
 
 
