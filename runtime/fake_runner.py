@@ -213,23 +213,17 @@ class FakeModelRunner:
     def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         if not self.supports_generation:
             raise RuntimeError("an embedding-only runner has no logits")
-        self._check_items(items)
-        self.forward_log.append([(sid, list(toks)) for sid, toks in items])
-        out = []
-        for sid, toks in items:
-            seq = self._seqs[sid]
-            self._append(seq, toks)
-            self.tokens_computed += len(toks)
-            history = self._history(seq)
-            start = len(history) - len(toks)
-            out.append(np.stack([self._logits(history[: start + i + 1]) for i in range(len(toks))]))
-        return out
+        return self._rows_per_token(items, self.forward_log, self._logits)
 
     def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         if self.embedding_pooling is None:
             raise RuntimeError("this runner has no hidden-state function")
+        return self._rows_per_token(items, self.hidden_log, self._hidden_row)
+
+    def _rows_per_token(self, items, log: list, row) -> list[np.ndarray]:
+        """Feed each item's tokens and return `row(history up to the token)` for every one."""
         self._check_items(items)
-        self.hidden_log.append([(sid, list(toks)) for sid, toks in items])
+        log.append([(sid, list(toks)) for sid, toks in items])
         out = []
         for sid, toks in items:
             seq = self._seqs[sid]
@@ -237,8 +231,7 @@ class FakeModelRunner:
             self.tokens_computed += len(toks)
             history = self._history(seq)
             start = len(history) - len(toks)
-            rows = [self._hidden_row(history[: start + i + 1]) for i in range(len(toks))]
-            out.append(np.stack(rows))
+            out.append(np.stack([row(history[: start + i + 1]) for i in range(len(toks))]))
         return out
 
     def _check_items(self, items: list[tuple[int, list[int]]]) -> None:
