@@ -14,7 +14,7 @@ from typing import Any
 from .config import ConfigError, DecoderConfig
 from .config_fields import COMMON_FIELDS
 from .decoder import DecoderLM
-from .moe import with_moe_layers
+from .moe import gguf_experts, with_moe_layers
 from .registry import Architecture
 from .weight_map import dense_decoder_gguf_map, dense_decoder_hf_map
 
@@ -48,12 +48,6 @@ def _hf_experts(config: DecoderConfig, i: int):
     return f"{p}.gate.weight", gate_up, [f"{p}.experts.{e}.w2.weight" for e in n]
 
 
-def _gguf_experts(config: DecoderConfig, i: int):
-    b = f"blk.{i}"
-    gate_up = [f"{b}.ffn_gate_exps.weight", f"{b}.ffn_up_exps.weight"]
-    return f"{b}.ffn_gate_inp.weight", gate_up, [f"{b}.ffn_down_exps.weight"]
-
-
 class MixtralForCausalLM(DecoderLM):
     pass
 
@@ -64,7 +58,7 @@ ARCHITECTURES = [
         mixtral_from_hf,
         MixtralForCausalLM,
         with_moe_layers(dense_decoder_hf_map, _hf_experts),
-        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, _gguf_experts),
+        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, gguf_experts),
         gguf_permute_qk=True,
         config_fields=MIXTRAL_FIELDS,
     )

@@ -126,3 +126,11 @@ def with_moe_layers(dense_map, experts_of, shared_of=None):
         return m
 
     return weight_map
+
+
+def gguf_experts(config, i: int):
+    """llama.cpp's names for layer `i`'s router and stacked experts, the same in every MoE
+    architecture it writes (qwen3moe, qwen2moe, llama with experts)."""
+    b = f"blk.{i}"
+    gate_up = [f"{b}.ffn_gate_exps.weight", f"{b}.ffn_up_exps.weight"]
+    return f"{b}.ffn_gate_inp.weight", gate_up, [f"{b}.ffn_down_exps.weight"]

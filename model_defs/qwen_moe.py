@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import ConfigError, DecoderConfig
 from .decoder import DecoderLM
-from .moe import with_moe_layers
+from .moe import gguf_experts, with_moe_layers
 from .qwen2 import QWEN_FIELDS
 from .registry import Architecture
 from .weight_map import (
@@ -88,12 +88,6 @@ def _hf_shared(config: DecoderConfig, i: int):
     return (*shared, f"{p}.shared_expert_gate.weight")
 
 
-def _gguf_experts(config: DecoderConfig, i: int):
-    b = f"blk.{i}"
-    gate_up = [f"{b}.ffn_gate_exps.weight", f"{b}.ffn_up_exps.weight"]
-    return f"{b}.ffn_gate_inp.weight", gate_up, [f"{b}.ffn_down_exps.weight"]
-
-
 QWEN3_MOE_GGUF_CONFIG = {
     **DENSE_DECODER_GGUF_CONFIG,
     "expert_count": "num_experts",
@@ -140,7 +134,7 @@ ARCHITECTURES = [
         with_moe_layers(dense_decoder_hf_map, _hf_experts),
         gguf_arch="qwen3moe",
         gguf_config_keys=QWEN3_MOE_GGUF_CONFIG,
-        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, _gguf_experts),
+        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, gguf_experts),
         gguf_config_fixup=qwen3moe_gguf_fixup,
         config_fields=QWEN3_MOE_FIELDS,
     ),
@@ -151,7 +145,7 @@ ARCHITECTURES = [
         with_moe_layers(dense_decoder_hf_map, _hf_experts, _hf_shared),
         gguf_arch="qwen2moe",
         gguf_config_keys=QWEN2_MOE_GGUF_CONFIG,
-        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, _gguf_experts, _gguf_shared),
+        gguf_weight_map=with_moe_layers(dense_decoder_gguf_map, gguf_experts, _gguf_shared),
         gguf_config_fixup=qwen2moe_gguf_fixup,
         config_fields=QWEN2_MOE_FIELDS,
     ),
