@@ -28,9 +28,10 @@ from .backends import DTYPES
 # `--kv-dtype` values that build; the compute dtype's name by default
 KV_DTYPES = ("f16", "bf16", "f32")
 # 8-bit caches users ask for, and why TVM 0.27's paged cache cannot hold them
+_FP8 = "it takes one dtype for q, the pages and the output, so all of attention would run in fp8"
 EIGHT_BIT = {
-    "fp8": "one dtype for q, the pages and the output: the whole attention would run in fp8",
-    "fp8_e4m3": "one dtype for q, the pages and the output: the whole attention would run in fp8",
+    "fp8": _FP8,
+    "fp8_e4m3": _FP8,
     "int8": "its pages hold no per-block scales and its attention kernels do not dequantize",
 }
 PAGE_SIZES = (16,)  # TVM 0.27's cache kernels are built for pages of 16 tokens
@@ -42,7 +43,7 @@ def choose_kv_dtype(requested: str | None, compute_dtype: str, backends: list) -
     kv = requested or compute_dtype
     if kv in EIGHT_BIT:
         raise TargetError(
-            f"--kv-dtype {kv}: TVM 0.27's paged KV cache has {EIGHT_BIT[kv]} "
+            f"--kv-dtype {kv}: TVM 0.27's paged KV cache cannot hold it: {EIGHT_BIT[kv]} "
             f"(docs/gpu-artifacts.md#kv-cache-layout); choose from {', '.join(KV_DTYPES)}"
         )
     if kv not in KV_DTYPES:
