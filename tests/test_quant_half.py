@@ -67,7 +67,9 @@ def _build(dtype: str, k: int, n: int):
     )
     spec = resolve_target("cpu", FLAG[dtype])
     mod = lower_module(mod, spec)
-    assert spec.report.int8_decode_kernels in (None, 0)  # f32-only kernels stay out
+    # the int8-activation kernels (f32 only) stay out, and the manifest says what decode reads
+    assert spec.report.int8_decode_kernels in (None, 0)
+    assert spec.report.decode_activations in (None, dtype)  # None: no AVX2, no int8 pass
     target = spec.tvm()
     with target:
         ex = tvm.compile(mod, target, relax_pipeline=None)
