@@ -65,11 +65,14 @@ def read_model(state: CompileState) -> str:
     """The source's config, architecture, weight map and quantization plan (no files written)."""
     opts = state.options
     state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
+    # float weights (`--quant f16`) are in the compute dtype: they name it
+    by_quant = opts.dtype is None and opts.quant in FLOAT_FORMATS
     choice = choose_compute_dtype(
-        opts.dtype or (opts.quant if opts.quant in FLOAT_FORMATS else None),
+        opts.quant if by_quant else opts.dtype,
         [opts.target] if isinstance(opts.target, str) else list(opts.target),
         source.config,
         source.kind,
+        requested_by="--quant" if by_quant else "--dtype",
     )
     state.options = opts = dataclasses.replace(opts, dtype=choice.dtype)
     state.dtype_source = choice.source

@@ -164,8 +164,8 @@ class Manifest:
     checksums: dict[str, dict[str, Any]] | None = None
     # Weight sets besides `main` (for a target that needs another layout): name -> params.
     weight_sets: dict[str, list[ParamInfo]] = field(default_factory=dict)
-    # Why `dtype`: "--dtype", or the targets' natural dtype ("natural for cuda (model
-    # torch_dtype bf16)"); artifacts from before natural dtypes say "--dtype".
+    # Why `dtype`: "--dtype" ("--quant" for `--quant f16`), or the targets' natural dtype
+    # ("natural for cuda (model torch_dtype bf16)"); artifacts from before say "--dtype".
     dtype_source: str = "--dtype"
 
     def params_for(self, library: LibraryInfo) -> list[ParamInfo]:

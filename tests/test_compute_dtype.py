@@ -91,6 +91,9 @@ def test_name_and_manifest_fields_follow_the_choice(tiny_model_dir, tmp_path):
     floats = _read_config(tmp_path, model, target="cuda", dtype="bf16")
     assert floats.final_dir.name == "qwen2_wide-bf16-cuda-sm_90"
     assert floats.dtype_source == "--dtype"
+    by_quant = _read_config(tmp_path, model, quant="f16")  # float weights name the dtype
+    assert (by_quant.options.dtype, by_quant.dtype_source) == ("f16", "--quant")
+    assert by_quant.final_dir.name == "qwen2_wide-f16-cpu"
 
 
 def test_cli_refusals_name_the_value_and_leave_nothing(tiny_model_dir, tmp_path, capsys):
