@@ -66,6 +66,10 @@ class Int8Codes:
     column_tile_min_rows: int | None = None
     nibble_codes_at: int | None = None  # legacy 4-bit codes' offset: transposed as bytes
     leading_scale: LeadingScale | None = None
+    # `block_scales(row) -> (scales, offsets)`: all of a super-block's group scales and
+    # offsets as two float32 vectors (one lane per group, or per half with `split_halves`),
+    # decoded with vector instructions once per block instead of once per group
+    block_scales: Callable | None = None
 
 
 @dataclass(frozen=True)
