@@ -70,6 +70,9 @@ class Int8Codes:
     # offsets as two float32 vectors (one lane per group, or per half with `split_halves`),
     # decoded with vector instructions once per block instead of once per group
     block_scales: Callable | None = None
+    # where a super-block's codes sit as 32-byte runs whose low nibbles are one group's and
+    # high nibbles the next group's (q4k): the VNNI tiles transpose the bytes once per pair
+    nibble_pairs_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ for _fmt in (
     _kquant(
         "q3k", GGML.Q3_K, 110, "q4_0", False, split_halves=True, max_code=7, column_tile_min_rows=8
     ),
-    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8),
+    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8, nibble_pairs_at=16),
     _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tile_min_rows=12),
     _kquant("q6k", GGML.Q6_K, 210, "q8_0", split_halves=True, max_code=63, column_tile_min_rows=12),
 ):
