@@ -29,6 +29,12 @@ bytes, are transposed once per pair of groups (`Int8Codes.nibble_pairs_at`). 16 
 weights from memory, one thread, CPU time, best of 7 interleaved rounds (shared machine,
 load about 14), us per call: q4k 2048 -> 8192 2971 -> 2364, 8192 -> 2048 3005 -> 2528; q5k
 4082 -> 3776, 4199 -> 4024 (scales only); q4_1 in the same rounds 2183 and 2274.
+
+q5_0 and q5_1 (Q4_K_M's attention and FFN format where a row length is not a multiple of
+256) transpose their nibble bytes as q4_0/q4_1 do and add each step's fifth bits from the
+16 rows' 32-bit words (`fifth_bits_step`), instead of decoding 16 columns and transposing:
+16 sequences, one thread, as above, q5_0 896 -> 9728 1916 -> 1252 us, 4864 -> 896 922 ->
+588 (q4_1 1200 and 549), q5_1 1975 -> 1278, 953 -> 608.
 """
 
 from __future__ import annotations
@@ -95,10 +101,35 @@ def step_vectors(w, n0, g, qtype: str):
 
     lo, hi = half(n0), half(n0 + HALF)
     steps = [_join(a, b, HALF) for a, b in zip(lo, hi, strict=True)]
+    fifth_bits_at = codes_of(qtype).fifth_bits_at
+    if fifth_bits_at is not None and nibble_codes_at is not None:
+        words = [
+            tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes + fifth_bits_at], "uint8x4"))
+            for c in range(COLS)
+        ]
+        fifth = tirx.Shuffle(words, [_c(c) for c in range(COLS)])
+        steps = [v | fifth_bits_step(fifth, s) for s, v in enumerate(steps)]
     if codes_of(qtype).signed:  # int8 codes as code + 128: flip each byte's sign bit
         flip = tirx.Broadcast(tirx.const(-0x7F7F7F80, "int32"), COLS)  # 0x80808080
         steps = [v ^ flip for v in steps]
     return steps
+
+
+def fifth_bits_step(words, s: int):
+    """int32x16: the fifth bits of weights 4s..4s+3 of 16 columns as 16 in their bytes, from
+    each column's 32-bit word of fifth bits (bit j: weight j), in 3 vector instructions: a
+    byte shuffle copies byte s // 2 of each word to its 4 bytes, a test against each byte's
+    bit, a masked 16."""
+    raw = tirx.reinterpret("uint8x64", words)
+    spread = tirx.Shuffle([raw], [_c(4 * (i // 4) + s // 2) for i in range(4 * COLS)])
+    byte_of_word = tirx.Cast("uint8x64", tirx.Ramp(_c(0), 1, 4 * COLS) % 4)
+    masks = tirx.Broadcast(tirx.const(1 << (4 * (s % 2)), "uint8"), 4 * COLS) << byte_of_word
+    bits = tirx.Select(
+        (spread & masks) == masks,
+        tirx.Broadcast(tirx.const(16, "uint8"), 4 * COLS),
+        tirx.Broadcast(tirx.const(0, "uint8"), 4 * COLS),
+    )
+    return tirx.reinterpret("int32x16", bits)
 
 
 def tile_macro(qtype: str, groups: int):
