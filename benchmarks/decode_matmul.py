@@ -14,6 +14,15 @@ kernel of `decode`. `--cold` cycles through enough copies of the weights (64 MB)
 call reads them from memory, as a model's decode step does; without it they stay in cache.
 The error column is the int8 result's largest difference from the float one, relative to
 the largest output (the activations' int8 rounding, about 1e-2 at most).
+
+`--shapes qwen2.5-0.5b gemma3-270m ...` instead times `decode`'s one-row kernel (batch 1)
+and `batch_decode`'s kernel at 16 sequences for each projection of those models (llama.cpp's
+Q4_K_M mix puts several formats on one shape: every format in `--qtypes` runs at every
+shape), weights from memory, best of interleaved rounds (the kernels take turns, so a noisy
+neighbour slows them alike), and prints microseconds and the weight bytes read per second.
+`--clock cpu` times the process's CPU time instead of the wall clock: with
+`TVM_NUM_THREADS=1` on a loaded shared machine it is the steadier measure of a kernel's
+cost (the wall clock also counts the time other processes hold the core).
 """
 
 from __future__ import annotations
@@ -30,6 +39,32 @@ from tallow.compiler.target import resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
 from tallow.schedules.cpu import quant as cpu_quant
+
+# (name, K, N) of each projection; gate/up are fused (N = 2 x FFN); the head is Q8_0
+SHAPES = {
+    "qwen2.5-0.5b": [
+        ("qkv", 896, 1152),
+        ("o", 896, 896),
+        ("gate_up", 896, 9728),
+        ("down", 4864, 896),
+        ("head", 896, 151936),
+    ],
+    "gemma3-270m": [
+        ("q", 640, 1024),
+        ("kv", 640, 512),
+        ("o", 1024, 640),
+        ("gate_up", 640, 4096),
+        ("down", 2048, 640),
+        ("head", 640, 262144),
+    ],
+    "llama3.2-1b": [
+        ("qkv", 2048, 3072),
+        ("o", 2048, 2048),
+        ("gate_up", 2048, 16384),
+        ("down", 8192, 2048),
+        ("head", 2048, 128256),
+    ],
+}
 
 
 class _Projection(nn.Module):
@@ -62,8 +97,60 @@ def _best_ms(lib, x: np.ndarray, weights: list, out_shape: tuple, repeat: int) -
     return best * 1e3, out.numpy().reshape(x.shape[0], -1)
 
 
+def _kernels_at(qtype: str, n: int, k: int, target, vnni: bool, batches) -> dict:
+    """{batch: (compiled kernel, weight copies, repeat, x)} for one format and shape."""
+    from tallow.compiler.quant import get_format
+
+    rng = np.random.default_rng(0)
+    blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    copies = max(2, int(96e6 // blocks.nbytes))
+    weights = [tvm.runtime.tensor(blocks) for _ in range(copies)]
+    bytes_per_call = n * get_format(qtype).row_bytes(k)
+    out = {}
+    for b in batches:
+        lib = _build(int8_gemv.gemv_kernel(qtype, n, k, 1 if b == 1 else None, vnni=vnni), target)
+        x = tvm.runtime.tensor(rng.standard_normal((b, 1, k)).astype(np.float32))
+        out[b] = (lib["main"], weights, x, tvm.runtime.empty((b, 1, n), "float32"))
+    return out, bytes_per_call
+
+
+def by_shape(models: list[str], qtypes: list[str], batches: list[int], rounds: int, clock) -> None:
+    """Each format's decode kernels at each projection of `models` (see the module doc)."""
+    target = resolve_target("cpu", "f32").tvm()
+    vnni = int8_vnni.supported(target)
+    cases = []  # (label, batch, f, weights, x, out, bytes)
+    for model in models:
+        for name, k, n in SHAPES[model]:
+            for qtype in ["q8_0"] if name == "head" else qtypes:
+                if k % 256 and get_format_block(qtype) == 256:
+                    continue
+                kernels, nbytes = _kernels_at(qtype, n, k, target, vnni, batches)
+                for b, (f, weights, x, out) in kernels.items():
+                    cases.append((f"{model} {name} {k}x{n} {qtype}", b, f, weights, x, out, nbytes))
+    best = [float("inf")] * len(cases)
+    for _ in range(rounds):
+        for i, (_, _, f, weights, x, out, _) in enumerate(cases):
+            t = clock()
+            for w in weights:
+                f(x, w, out)
+            best[i] = min(best[i], (clock() - t) / len(weights))
+    print(f"best of {rounds} interleaved rounds, weights from memory, us per call; GB/s of weights")
+    for (label, b, *_, nbytes), t in zip(cases, best, strict=True):
+        print(f"{label:<40} batch {b:>2} {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f} GB/s")
+
+
+def get_format_block(qtype: str) -> int:
+    from tallow.compiler.quant import get_format
+
+    return get_format(qtype).block_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="time real shapes")
+    ap.add_argument("--qtypes", nargs="+", default=["q4_1", "q5_0", "q4k", "q5k", "q6k"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--qtype", default="q4_1")
     ap.add_argument("--n", type=int, default=3072, help="output features (weight rows)")
     ap.add_argument("--k", type=int, default=576, help="input features")
@@ -71,6 +158,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--cold", action="store_true", help="weights read from memory each call")
     args = ap.parse_args()
+    if args.shapes:
+        batches = [b for b in args.batch if b in (1, 16)] or [1, 16]
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        return by_shape(args.shapes, args.qtypes, batches, args.rounds, clock)
     target = resolve_target("cpu", "f32").tvm()
     if not int8_gemv.supported(target):
         raise SystemExit("this CPU has no AVX2: the int8 kernels do not apply")

@@ -127,6 +127,26 @@ def test_gemv_matches_numpy(qtype):
     _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
 
 
+@pytest.mark.parametrize("qtype", ["q2k", "q4k", "q5k", "q6k"])
+def test_block_scales_row_kernel_on_avx2(qtype):
+    """The K-quants' one-row kernel (a super-block's scales decoded as one vector,
+    `Int8Codes.block_scales`) built for an AVX2-only CPU level (no 512-bit vectors: its
+    16-lane scale vectors split in two), 3 super-blocks a row."""
+    from tallow.compiler.cpu_levels import resolve_level
+
+    assert QUANT_FORMATS[qtype].int8.block_scales is not None
+    k, n = 768, 32
+    blocks, deq = _weights(qtype, n, k, seed=11)
+    x = _activations(1, k, seed=12)
+    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
+    with avx2:
+        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
+    out = tvm.runtime.empty((1, 1, n), "float32")
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+    _check(out.numpy(), x, deq)
+
+
 @pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of

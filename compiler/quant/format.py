@@ -65,7 +65,17 @@ class Int8Codes:
     # per format, see `schedules.cpu.int8_columns`). Column tiles need `max_code`.
     column_tile_min_rows: int | None = None
     nibble_codes_at: int | None = None  # legacy 4-bit codes' offset: transposed as bytes
+    # q5_0 / q5_1: where the 32-bit word of the codes' fifth bits sits (bit j: weight j);
+    # with `nibble_codes_at`, the VNNI tiles transpose the nibbles as bytes and add these
+    fifth_bits_at: int | None = None
     leading_scale: LeadingScale | None = None
+    # `block_scales(row) -> (scales, offsets)`: all of a super-block's group scales and
+    # offsets as two float32 vectors (one lane per group, or per half with `split_halves`),
+    # decoded with vector instructions once per block instead of once per group
+    block_scales: Callable | None = None
+    # where a super-block's codes sit as 32-byte runs whose low nibbles are one group's and
+    # high nibbles the next group's (q4k): the VNNI tiles transpose the bytes once per pair
+    nibble_pairs_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,8 @@ def tile_macro(qtype: str, groups: int):
 
     block_weights, block_bytes = get_format(qtype).block_size, get_format(qtype).type_size
     nibble_codes_at = codes_of(qtype).nibble_codes_at
-    nibbles = nibble_codes_at is not None
+    # (the 5-bit formats' nibbles need their fifth bits: those decode each column)
+    nibbles = nibble_codes_at is not None and codes_of(qtype).fifth_bits_at is None
     store_scales = scales_macro(qtype, COLS)
 
     def prefetch_group(w, n, g):

@@ -21,6 +21,20 @@ the offset times the activation sum), into one float accumulator per sequence:
 
 Each group prefetches the same group of the next 16 rows, as the AVX2 tiles do (the rows are
 a row apart in memory, which the hardware prefetchers do not follow).
+
+The K-quants with one scale per group (q4k, q5k) walk super-blocks instead
+(`int8_vnni_blocks`): a block's 8 scales and mins are decoded per row as vectors and
+transposed once for the 16 columns, and q4k's codes, two groups' nibbles in the same 32
+bytes, are transposed once per pair of groups (`Int8Codes.nibble_pairs_at`). 16 sequences,
+weights from memory, one thread, CPU time, best of 7 interleaved rounds (shared machine,
+load about 14), us per call: q4k 2048 -> 8192 2971 -> 2364, 8192 -> 2048 3005 -> 2528; q5k
+4082 -> 3776, 4199 -> 4024 (scales only); q4_1 in the same rounds 2183 and 2274.
+
+q5_0 and q5_1 (Q4_K_M's attention and FFN format where a row length is not a multiple of
+256) transpose their nibble bytes as q4_0/q4_1 do and add each step's fifth bits from the
+16 rows' 32-bit words (`fifth_bits_step`), instead of decoding 16 columns and transposing:
+16 sequences, one thread, as above, q5_0 896 -> 9728 1916 -> 1252 us, 4864 -> 896 922 ->
+588 (q4_1 1200 and 549), q5_1 1975 -> 1278, 953 -> 608.
 """
 
 from __future__ import annotations
@@ -87,10 +101,35 @@ def step_vectors(w, n0, g, qtype: str):
 
     lo, hi = half(n0), half(n0 + HALF)
     steps = [_join(a, b, HALF) for a, b in zip(lo, hi, strict=True)]
+    fifth_bits_at = codes_of(qtype).fifth_bits_at
+    if fifth_bits_at is not None and nibble_codes_at is not None:
+        words = [
+            tirx.reinterpret("int32", w.vload([n0 + c, g * block_bytes + fifth_bits_at], "uint8x4"))
+            for c in range(COLS)
+        ]
+        fifth = tirx.Shuffle(words, [_c(c) for c in range(COLS)])
+        steps = [v | fifth_bits_step(fifth, s) for s, v in enumerate(steps)]
     if codes_of(qtype).signed:  # int8 codes as code + 128: flip each byte's sign bit
         flip = tirx.Broadcast(tirx.const(-0x7F7F7F80, "int32"), COLS)  # 0x80808080
         steps = [v ^ flip for v in steps]
     return steps
+
+
+def fifth_bits_step(words, s: int):
+    """int32x16: the fifth bits of weights 4s..4s+3 of 16 columns as 16 in their bytes, from
+    each column's 32-bit word of fifth bits (bit j: weight j), in 3 vector instructions: a
+    byte shuffle copies byte s // 2 of each word to its 4 bytes, a test against each byte's
+    bit, a masked 16."""
+    raw = tirx.reinterpret("uint8x64", words)
+    spread = tirx.Shuffle([raw], [_c(4 * (i // 4) + s // 2) for i in range(4 * COLS)])
+    byte_of_word = tirx.Cast("uint8x64", tirx.Ramp(_c(0), 1, 4 * COLS) % 4)
+    masks = tirx.Broadcast(tirx.const(1 << (4 * (s % 2)), "uint8"), 4 * COLS) << byte_of_word
+    bits = tirx.Select(
+        (spread & masks) == masks,
+        tirx.Broadcast(tirx.const(16, "uint8"), 4 * COLS),
+        tirx.Broadcast(tirx.const(0, "uint8"), 4 * COLS),
+    )
+    return tirx.reinterpret("int32x16", bits)
 
 
 def tile_macro(qtype: str, groups: int):
@@ -104,6 +143,7 @@ def tile_macro(qtype: str, groups: int):
     per_scale = STEPS // halves  # steps under one weight scale
     block_weights, block_bytes = get_format(qtype).block_size, get_format(qtype).type_size
     store_scales = scales_macro(qtype, COLS)
+    block_scales = codes_of(qtype).block_scales
 
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
@@ -115,8 +155,9 @@ def tile_macro(qtype: str, groups: int):
         word = tirx.reinterpret("int32", xq.vload([row, g * LANES + s * 4], "int8x4"))
         return tirx.Broadcast(word, COLS)
 
-    def update(ct, sc, xq, steps, xs, row, g):
-        """This group's contribution to the 16 columns of sequence `row`."""
+    def update(ct, scale_of, offset_of, xq, steps, xs, row, g):
+        """This group's contribution to the 16 columns of sequence `row`; `scale_of(h)` and
+        `offset_of(h)` are the 16 columns' scales and offsets of half `h` (float32x16)."""
         total = None
         for h in range(halves):
             # two accumulators, even and odd steps: half the chain of dependent vpdpbusd
@@ -126,13 +167,27 @@ def tile_macro(qtype: str, groups: int):
                     chains[s % 2], ct.vload([s * COLS], "int32x16"), broadcast(xq, row, g, s)
                 )
             dots = chains[0] + chains[1]
-            scale = sc.vload([h * COLS], "float32x16") * tirx.Broadcast(steps[row, g], COLS)
-            offset = sc.vload([(2 + h) * COLS], "float32x16")
+            scale = scale_of(h) * tirx.Broadcast(steps[row, g], COLS)
+            offset = offset_of(h)
             term = tirx.Cast("float32x16", dots) * scale + offset * tirx.Broadcast(
                 xs[g * halves + h, row], COLS
             )
             total = term if total is None else total + term
         return total
+
+    # Formats with 16-weight halves (q2k, q6k) keep the per-group scales: transposing 16
+    # scales and 16 offsets a block cost more than it saved (q6k 2048 x 8192, 16 sequences,
+    # one thread: 4464 us per group, 5356 us per block)
+    if block_scales is not None and halves == 1:
+        from .int8_vnni_blocks import block_tile_macro  # (it imports this module)
+
+        return block_tile_macro(qtype, groups, update, prefetch_group)
+
+    def legacy_scale(sc):
+        return lambda h: sc.vload([h * COLS], "float32x16")
+
+    def legacy_offset(sc):
+        return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
 
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, out):
@@ -160,10 +215,14 @@ def tile_macro(qtype: str, groups: int):
             ct[T.Ramp(112, 1, 16)] = tr[7]
             store_scales(sc, w, n0, g)
             for r in range(T.min(rows, HALF)):
-                upd = T.meta_var(update(ct, sc, xq, steps, xs, r0 + r, g))
+                upd = T.meta_var(
+                    update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
+                )
                 acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd
             for r in range(rows - HALF):
-                upd_hi = T.meta_var(update(ct, sc, xq, steps, xs, r0 + HALF + r, g))
+                upd_hi = T.meta_var(
+                    update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + HALF + r, g)
+                )
                 acc_hi[T.Ramp(r * COLS, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)] + upd_hi
         for r in range(T.min(rows, HALF)):
             out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)]

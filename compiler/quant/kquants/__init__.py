@@ -25,7 +25,7 @@ _TIR = f"{__name__}.tir_decode"
 _INT8 = f"{__name__}.int8_groups"
 
 
-def _kquant(name, ggml_type, type_size, fallback, **int8) -> QuantFormat:
+def _kquant(name, ggml_type, type_size, fallback, vector_scales=True, **int8) -> QuantFormat:
     return QuantFormat(
         name=name,
         ggml_type=ggml_type,
@@ -35,15 +35,21 @@ def _kquant(name, ggml_type, type_size, fallback, **int8) -> QuantFormat:
         dequantize_blocks=getattr(codec, f"dequantize_{name}"),
         tir_decode=Lazy(_TIR, name),
         fallback=fallback,
-        int8=Int8Codes(group=Lazy(_INT8, name), **int8),
+        int8=Int8Codes(
+            group=Lazy(_INT8, name),
+            block_scales=Lazy(_INT8, f"{name}_block_scales") if vector_scales else None,
+            **int8,
+        ),
     )
 
 
 # split_halves: 16-weight sub-blocks, so the two halves of a 32-weight group differ.
 for _fmt in (
     _kquant("q2k", GGML.Q2_K, 84, "q4_0", split_halves=True, max_code=3, column_tile_min_rows=8),
-    _kquant("q3k", GGML.Q3_K, 110, "q4_0", split_halves=True, max_code=7, column_tile_min_rows=8),
-    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8),
+    _kquant(
+        "q3k", GGML.Q3_K, 110, "q4_0", False, split_halves=True, max_code=7, column_tile_min_rows=8
+    ),
+    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8, nibble_pairs_at=16),
     _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tile_min_rows=12),
     _kquant("q6k", GGML.Q6_K, 210, "q8_0", split_halves=True, max_code=63, column_tile_min_rows=12),
 ):

@@ -73,3 +73,65 @@ def q6k(row: Row, sub) -> Group:
 
     s_lo, s_hi = scale(sub * 2), scale(sub * 2 + 1)
     return Group(low | high, s_lo, s_hi, s_lo * -32.0, s_hi * -32.0)
+
+
+# A super-block's scales and offsets as vectors (`Int8Codes.block_scales`): the row kernel
+# decodes them once per 256 weights with a few vector instructions; decoding each group's
+# with scalar byte arithmetic (above) cost about as much as the group's dot product. The
+# products are the same float32 values as the groups' (exact: 11-bit f16 times 6-bit ints).
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def _pick(v, idx):
+    return tirx.Shuffle([v], [_c(i) for i in idx])
+
+
+def _halves(lo: int, hi: int):
+    """int32x8: `lo` in lanes 0-3, `hi` in lanes 4-7."""
+    return tirx.Shuffle(
+        [tirx.Broadcast(_c(lo), 4), tirx.Broadcast(_c(hi), 4)], [_c(i) for i in range(8)]
+    )
+
+
+def _k4_block_scales(row: Row):
+    """q4k / q5k: the 8 sub-blocks' 6-bit scales and mins (bytes 4..15, llama.cpp's
+    get_scale_min_k4 for all 8 at once: lanes 0-3 whole bytes, 4-7 a low nibble plus the
+    top 2 bits of another byte)."""
+    q = tirx.Cast("int32x16", row.vec(4, 16))  # bytes 4..19; lanes 0..11 are the scales
+    six = tirx.Broadcast(_c(6), 8)
+    four = tirx.Broadcast(_c(4), 8)
+    low = _halves(63, 15)
+    high = _halves(0, 48)
+    sc = (_pick(q, [0, 1, 2, 3, 8, 9, 10, 11]) & low) | (
+        ((_pick(q, [0, 1, 2, 3, 0, 1, 2, 3]) >> six) << four) & high
+    )
+    mn = ((_pick(q, [4, 5, 6, 7, 8, 9, 10, 11]) >> _halves(0, 4)) & low) | (
+        ((_pick(q, [4, 5, 6, 7, 4, 5, 6, 7]) >> six) << four) & high
+    )
+    d = tirx.Broadcast(row.half(0), 8)
+    dmin = tirx.Broadcast(-row.half(2), 8)
+    return d * tirx.Cast("float32x8", sc), dmin * tirx.Cast("float32x8", mn)
+
+
+q4k_block_scales = _k4_block_scales
+q5k_block_scales = _k4_block_scales
+
+
+def q2k_block_scales(row: Row):
+    """q2k: 16 bytes, a 4-bit scale (low nibble) and min (high) per 16 weights."""
+    s = tirx.Cast("int32x16", row.vec(0, 16))
+    d = tirx.Broadcast(row.half(80), 16)
+    dmin = tirx.Broadcast(-row.half(82), 16)
+    return d * tirx.Cast("float32x16", s & tirx.Broadcast(_c(15), 16)), dmin * tirx.Cast(
+        "float32x16", s >> tirx.Broadcast(_c(4), 16)
+    )
+
+
+def q6k_block_scales(row: Row):
+    """q6k: 16 int8 scales per 16 weights at 192; the offset is the scale times -32."""
+    s = tirx.Cast("int32x16", tirx.reinterpret("int8x16", row.vec(192, 16)))
+    scales = tirx.Broadcast(row.half(208), 16) * tirx.Cast("float32x16", s)
+    return scales, scales * tirx.Broadcast(tirx.const(-32.0, "float32"), 16)

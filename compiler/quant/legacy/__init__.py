@@ -57,7 +57,21 @@ for _fmt in (
         nibble_codes_at=4,
         leading_scale=LeadingScale(None),
     ),
-    _legacy("q5_0", GGML.Q5_0, 22, leading_scale=LeadingScale(-16.0)),
-    _legacy("q5_1", GGML.Q5_1, 24, leading_scale=LeadingScale(None)),
+    _legacy(
+        "q5_0",
+        GGML.Q5_0,
+        22,
+        nibble_codes_at=6,
+        fifth_bits_at=2,
+        leading_scale=LeadingScale(-16.0),
+    ),
+    _legacy(
+        "q5_1",
+        GGML.Q5_1,
+        24,
+        nibble_codes_at=8,
+        fifth_bits_at=4,
+        leading_scale=LeadingScale(None),
+    ),
 ):
     register_format(_fmt)
