@@ -26,6 +26,8 @@ CUDA_SMS = (80, 86, 89, 90, 100, 120)
 
 # Largest decode batch a CUDA graph is captured for (the runner caps its batch to this).
 CUDA_GRAPH_MAX_BATCH = 32
+# Tensor-core instructions in generated CUDA: wmma (what dlight emits) or inline PTX mma.
+TENSOR_CORE_CALLS = r"wmma::mma_sync|mma\.sync"
 _GRAPH_BOUNDS = {"batch_decode": {"batch_size": CUDA_GRAPH_MAX_BATCH}}
 
 
@@ -97,7 +99,13 @@ class CUDABackend(GPUBackend):
     def build(self, mod, spec: TargetSpec, path: Path) -> None:
         import tvm
 
-        from ..cuda_build import ensure_cuda_codegen, nvcc_callback, nvcc_version
+        from ..cuda_build import (
+            ensure_cuda_codegen,
+            kernels_with,
+            nvcc_callback,
+            nvcc_version,
+            ptxas_resources,
+        )
 
         report = spec.report
         report.nvcc = nvcc_version()
@@ -109,7 +117,15 @@ class CUDABackend(GPUBackend):
             executable = tvm.compile(mod, target, relax_pipeline=None)
         source = record.get("cuda_source", "")
         report.kernels_in_source = count(r'extern "C" __global__', source)
-        report.tensor_core_in_source = bool(re.search(r"wmma::mma_sync|mma\.sync", source))
+        report.tensor_core_in_source = bool(re.search(TENSOR_CORE_CALLS, source))
+        report.tensor_core_kernels = kernels_with(source, TENSOR_CORE_CALLS)
+        resources = ptxas_resources(record.get("ptxas", ""))
+        report.spills = {
+            kernel: {arch: r for arch, r in per_arch.items() if r.get("spill_stores")}
+            for kernel, per_arch in resources.items()
+            if any(r.get("spill_stores") for r in per_arch.values())
+        }
+        report.kernel_resources = resources
         executable.export_library(str(path))
 
 
