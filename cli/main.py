@@ -113,9 +113,10 @@ def _add_compile(sub) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="f32",
         choices=["f32", "f16", "bf16"],
-        help="compute dtype of activations and KV cache, and of float weights (default f32)",
+        help="compute dtype of activations, norms and KV cache, and of float weights "
+        "(default: the target's natural one: f32 on the CPU, f16 on Metal, on CUDA the "
+        "model's torch_dtype bf16 or f16, f16 for GGUF and f32 models)",
     )
     p.add_argument(
         "--quant",

@@ -36,12 +36,14 @@ def resolve_targets(options) -> list[TargetSpec]:
     sms = options.sms
     if sms and not any(_takes_sms(n) for n in names):
         raise TargetError("--sm applies to --target cuda only")
+    # No --dtype: the natural dtype is chosen once the source is read (`phases.read_model`
+    # checks it against every target then); a spec does not depend on it, and every
+    # target accepts f32.
+    dtype = options.dtype or "f32"
     specs: list[TargetSpec] = []
     for name in names:
         for level in (levels or [None]) if _takes_cpu_level(name) else [None]:
-            specs.append(
-                resolve_target(name, options.dtype, sms if _takes_sms(name) else None, level)
-            )
+            specs.append(resolve_target(name, dtype, sms if _takes_sms(name) else None, level))
     files = [spec.library_name for spec in specs]
     if len(set(files)) != len(files):
         raise TargetError(f"two targets build the same library: {', '.join(files)}")

@@ -5,13 +5,14 @@ Each takes the `CompileState`, extends it, and returns a one-line summary for th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 
 from tallow.model_defs.config import ConfigError
 from tallow.model_defs.decoder import HIDDEN_FUNCTION, TASKS
 from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
-from tallow.runtime.errors import ModelSourceError, TargetError
+from tallow.runtime.errors import ModelSourceError
 from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import (
     FORMAT_VERSION,
@@ -23,6 +24,7 @@ from tallow.runtime.manifest import (
 )
 
 from . import tokenizer_files
+from .compute_dtype import choose_compute_dtype
 from .libraries import (
     artifact_suffix,
     library_info,
@@ -32,7 +34,7 @@ from .libraries import (
 )
 from .pipeline import CompileState, make_work_dir
 from .pooling import choose_pooling
-from .quant_plan import check_quant_option, make_plan
+from .quant_plan import FLOAT_FORMATS, check_quant_option, make_plan
 from .source import resolve_source, sha256_file
 from .target import DTYPES
 from .weights import ParamSpec, check_sources_present, check_weight_map, write_weight_shards
@@ -43,18 +45,38 @@ def read_config(state: CompileState) -> str:
     opts, plan = state.options, state.quant_plan
     task_suffix = "-embed" if opts.task == "embed" else ""
     suffix = artifact_suffix(state.targets)
-    name = opts.name or f"{state.source.name}-{plan.label}-{suffix}{task_suffix}"
+    weights = weights_label(plan, opts.dtype)
+    name = opts.name or f"{state.source.name}-{weights}-{suffix}{task_suffix}"
     make_work_dir(state, name)
     return summary
+
+
+def weights_label(plan, dtype: str) -> str:
+    """The weights part of the default artifact name: the float dtype, or the block format
+    followed by the activations' dtype when that is not f32 (`q4k-f16`; f32, the CPU's, is
+    left out so CPU artifact names stay as they were)."""
+    if not plan.types or dtype == "f32":
+        return plan.label
+    return f"{plan.label}-{dtype}"
 
 
 def read_model(state: CompileState) -> str:
     """The source's config, architecture, weight map and quantization plan (no files written)."""
     opts = state.options
+    state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
+    choice = choose_compute_dtype(
+        opts.dtype or (opts.quant if opts.quant in FLOAT_FORMATS else None),
+        [opts.target] if isinstance(opts.target, str) else list(opts.target),
+        source.config,
+        source.kind,
+    )
+    state.options = opts = dataclasses.replace(opts, dtype=choice.dtype)
+    state.dtype_source = choice.source
     if not state.targets:
         state.targets = resolve_targets(opts)
+    for spec in state.targets:
+        spec.backend.check_dtype(opts.dtype)
     state.target = state.targets[0]
-    state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
     try:
         state.architecture = arch = get_architecture(source.config)
         state.config = config = arch.config_from_hf(source.config)
@@ -94,11 +116,6 @@ def read_model(state: CompileState) -> str:
     )
     # fused weights whose parts keep different types become one parameter per run
     state.weight_map = plan.param_weight_map(state.weight_map)
-    if plan.types and opts.dtype != "f32":
-        raise TargetError(
-            f"quantized weights ({plan.label}) run with --dtype f32 on every target "
-            f"for now; pass --dtype f32 or --quant {opts.dtype}"
-        )
     return (
         f"{arch.hf_name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads}/{config.num_key_value_heads} heads; weights {plan.label}; "
@@ -243,6 +260,7 @@ def write_manifest(state: CompileState) -> str:
         embedding=state.embedding,
         checksums=_artifact_checksums(state),
         weight_sets=state.other_param_infos,
+        dtype_source=state.dtype_source,
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"

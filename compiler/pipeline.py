@@ -39,7 +39,7 @@ class CompileOptions:
     target: str | list[str] = "cpu"
     sms: list[int] | None = None  # --target cuda: SM architectures, e.g. [80, 90]
     cpu: list[str] | None = None  # --target cpu: CPU levels, one library each (default native)
-    dtype: str = "f32"
+    dtype: str | None = None  # --dtype; None: the targets' natural dtype (compute_dtype.py)
     quant: str | None = None  # weight mix or format; None: a GGUF keeps its types, floats dtype
     allow_requantize: bool = False  # --quant may re-encode a GGUF's already quantized weights
     output: Path = Path("artifacts")
@@ -71,6 +71,7 @@ class CompileState:
     checkpoint: Any = None  # names/shape/get over the source tensors
     weight_map: dict[str, list[str]] = field(default_factory=dict)
     quant_plan: Any = None  # quant_plan.QuantPlan
+    dtype_source: str = "--dtype"  # why the compute dtype (compute_dtype.ComputeDtype.source)
     work_dir: Path | None = None
     final_dir: Path | None = None
     param_infos: list = field(default_factory=list)

@@ -55,16 +55,35 @@ def dequantize_te(
     )
 
 
+# Half-precision kernels sum their products in float32 (llama.cpp's and MLC's GPU kernels do
+# too): an f16 running sum over K = 4096 products loses about log2(4096)/2 = 6 of its 11
+# bits, while the f32 sum keeps the result within one f16 rounding of the exact product.
+ACCUMULATE = "float32"
+
+
 def quant_matmul_te(x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: str):
-    """x [..., K] @ dequantize(w)^T -> [..., n]: one PrimFunc holding dequantize + matmul."""
+    """x [..., K] @ dequantize(w)^T -> [..., n]: one PrimFunc holding dequantize + matmul.
+
+    The weights dequantize to the compute dtype `out_dtype` (what tensor cores and the
+    activations take: a weight is gguf's f32 value rounded once to f16/bf16) and the products
+    accumulate in float32; a half-precision result is then rounded once (a "cast" epilogue).
+    """
     k_dim = int(x.shape[-1])
     deq = dequantize_te(w, qtype, n, k_dim, out_dtype)
     k = te.reduce_axis((0, k_dim), name="k")
-    return te.compute(
-        (*x.shape[:-1], n),
-        lambda *i: te.sum(x[(*i[:-1], k)] * deq[i[-1], k], axis=k),
+    shape = (*x.shape[:-1], n)
+    if out_dtype == ACCUMULATE:
+        return te.compute(
+            shape, lambda *i: te.sum(x[(*i[:-1], k)] * deq[i[-1], k], axis=k), name="matmul"
+        )
+    acc = te.compute(
+        shape,
+        lambda *i: te.sum(
+            x[(*i[:-1], k)].astype(ACCUMULATE) * deq[i[-1], k].astype(ACCUMULATE), axis=k
+        ),
         name="matmul",
     )
+    return te.compute(shape, lambda *i: acc[i].astype(out_dtype), name="cast")
 
 
 # PrimFunc attribute naming a fused dequantize-matmul's weight format, so that later passes

@@ -149,6 +149,9 @@ class Manifest:
     checksums: dict[str, dict[str, Any]] | None = None
     # Weight sets besides `main` (for a target that needs another layout): name -> params.
     weight_sets: dict[str, list[ParamInfo]] = field(default_factory=dict)
+    # Why `dtype`: "--dtype", or the targets' natural dtype ("natural for cuda (model
+    # torch_dtype bf16)"); artifacts from before natural dtypes say "--dtype".
+    dtype_source: str = "--dtype"
 
     def params_for(self, library: LibraryInfo) -> list[ParamInfo]:
         """The parameters `library` takes, in its order."""
@@ -216,6 +219,7 @@ class Manifest:
                     name: [ParamInfo(**p) for p in params]
                     for name, params in (raw.get("weight_sets") or {}).items()
                 },
+                dtype_source=raw.get("dtype_source", "--dtype"),
             )
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e

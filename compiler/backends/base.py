@@ -147,6 +147,12 @@ class TargetBackend(ABC):
         """Raise `TargetError` when this target cannot run `dtype` (default: all of DTYPES)."""
         return None
 
+    def natural_dtype(self, model_dtype: str | None) -> str:
+        """The compute dtype without `--dtype` (a DTYPES key). `model_dtype`: the dtype the
+        model was trained in, from its config's `torch_dtype` (None for a GGUF or when
+        unstated). Default f32: what the CPU runs fastest (no half-precision arithmetic)."""
+        return "f32"
+
     @abstractmethod
     def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         """The TVM target (and host) for checked options, with the report's first facts."""

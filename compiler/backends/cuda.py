@@ -35,6 +35,11 @@ class CUDABackend(GPUBackend):
     name = "cuda"
     accepts_sms = True
 
+    def natural_dtype(self, model_dtype: str | None) -> str:
+        # The model's own half type (bf16 needs sm_80, which every CUDA_SMS arch has); f16
+        # for f32 checkpoints and GGUF files, as llama.cpp computes on CUDA.
+        return model_dtype if model_dtype in ("bf16", "f16") else "f16"
+
     def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         sms = sorted(set(sms or [90]))
         bad = [sm for sm in sms if sm not in CUDA_SMS]

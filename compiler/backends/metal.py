@@ -23,6 +23,9 @@ class MetalBackend(GPUBackend):
         if dtype == "bf16":
             raise TargetError("bf16 is not supported on metal; use --dtype f16 or f32")
 
+    def natural_dtype(self, model_dtype: str | None) -> str:
+        return "f16"  # Apple GPUs have no bf16 arithmetic in TVM's Metal codegen
+
     def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
         return TargetSpec(
             self,
