@@ -117,3 +117,28 @@ def test_quantized_schedule_evidence(tiny_model_dir, tmp_path, sm):
             assert sass[kernel]["REG"] == r["registers"], kernel
             assert sass[kernel]["STACK"] == r.get("stack_bytes", 0), kernel
         assert {k for k, s in sass.items() if s["LOCAL"] or s["STACK"]} >= set(details["spills"])
+
+
+@pytest.mark.slow
+def test_quantized_schedule_evidence_metal(tiny_model_dir, tmp_path):
+    """The same rules for Metal: prefill matmuls on simdgroup matrices, decode on the
+    matrix-vector rules, no quantized matmul on `Fallback`."""
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+
+    opts = CompileOptions(
+        model=str(tiny_model_dir("qwen3_wide")),
+        target="metal",
+        dtype="f16",
+        quant="q4k",
+        output=tmp_path,
+    )
+    opts.quiet = True
+    (lib,) = Manifest.read(compile_model(opts)).libraries
+    schedules = lib.details["schedules"]
+    quant = schedules["quant_matmuls"]
+    assert quant and all(q["rule"] != "Fallback" for q in quant.values()), quant
+    prefill = {n for n, q in quant.items() if q["role"] == "prefill"}
+    decode = {n: q["rule"] for n, q in quant.items() if q["role"] == "decode"}
+    assert set(decode.values()) <= DECODE_RULES, decode
+    assert prefill and prefill <= set(schedules["tensor_core"]["tensorized_kernels"])
+    assert lib.details["tensor_core_in_source"] is True  # simdgroup_multiply_accumulate
