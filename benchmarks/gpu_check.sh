@@ -8,8 +8,8 @@
 # The bundle (under the device tool's 64 MiB carry limit) holds:
 #   tvm/          the tvm Python package without libtvm_compiler.so (runtime-only mode:
 #                 TVM_USE_RUNTIME_LIB=1 loads libtvm_runtime*.so only)
-#   wheels/       cp312 wheels of the pinned apache-tvm-ffi and of the runtime's pure
-#                 dependencies the GPU image may lack (ml_dtypes, llguidance, PyYAML, Jinja2)
+#   wheels/, deps/  cp312 wheels of the pinned apache-tvm-ffi and of the runtime's small
+#                 dependencies the GPU image may lack (ml_dtypes, PyYAML, Jinja2), llguidance
 #   small-cuda/, small-cpu/   one tiny random Qwen3 (hidden 256, q4k_m) compiled by
 #                 `tallow compile` for sm_90 (f16) and for the CPU (f32): whole artifacts
 #   q8b/          a Qwen3-8B-shaped uniform-q4k f16 artifact for sm_90 without its weights
@@ -21,8 +21,9 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
 bundle="$here/gpu_bundle"
 py="${PYTHON:-$root/.venv/bin/python}"
-# The pinned tvm-ffi, and the runtime's dependencies at the versions of the build machine.
-DEPS="ml_dtypes llguidance PyYAML Jinja2 MarkupSafe"
+# The pinned tvm-ffi, and the runtime's dependencies at the versions of the build machine
+# (llguidance is copied from it: an abi3 build, and no manylinux wheel of it in our index).
+DEPS="ml_dtypes PyYAML Jinja2 MarkupSafe"
 
 prepare() {
   local t0=$SECONDS
@@ -38,7 +39,9 @@ print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $DEPS)"
   # shellcheck disable=SC2086
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-      -d "$bundle/wheels" $pins
+      --platform manylinux_2_17_x86_64 -d "$bundle/wheels" $pins
+  mkdir -p "$bundle/deps"
+  cp -r "$site/llguidance" "$bundle/deps/"
   local src; src="$(mktemp -d)"
   "$py" - "$src/qwen3_wide" <<'EOF'
 import sys
@@ -66,7 +69,7 @@ run() {
   python3 -m pip install -q --no-deps --target "$deps" "$bundle"/wheels/*.whl
   mkdir -p "$deps/tallow"  # the working tree's runtime, as an installed tallow maps it
   ln -s "$root/runtime" "$deps/tallow/runtime"
-  export PYTHONPATH="$bundle:$deps" TVM_USE_RUNTIME_LIB=1
+  export PYTHONPATH="$bundle:$deps:$bundle/deps" TVM_USE_RUNTIME_LIB=1
   check="$here/gpu_check_run.py"
   echo "== parity: small q4k model, CUDA (f16, sm_90) vs CPU (f32), same weights"
   python3 "$check" parity "$bundle/small-cuda" "$bundle/small-cpu" || true

@@ -124,11 +124,16 @@ def _family(name: str) -> str:
     return re.sub(r"\d+(?=_|$)", "", name)
 
 
-def _no_tensor_core_reason(func: tirx.PrimFunc) -> str:
+def _no_tensor_core_reason(func: tirx.PrimFunc, target) -> str:
     """Why dlight's Matmul rule kept this kernel on SIMT cores (mirrors its own checks)."""
     # (The 0.27 Python PrimFunc exposes no buffer_map: read the buffers off its script.)
     buffers = re.findall(r'T\.Buffer\(\((.*?)\), "(\w+)"\)', func.script())
     dtypes = {dtype for _, dtype in buffers}
+    if target.kind.name == "metal" and {"float16", "float32"} <= dtypes:
+        return (
+            "f16 operands with an f32 accumulator: TVM's Metal simdgroup intrinsics take one "
+            "dtype for both"
+        )
     if "float16" not in dtypes:
         return f"dtype {'/'.join(sorted(dtypes))}: dlight tensorizes fp16 (and int8) only"
     if func.attrs and "dlight.do_not_tensorize" in func.attrs:
@@ -183,7 +188,7 @@ def schedule_module(
             if _TENSOR_CORE_CALLS.search(updated[gv].script()):
                 tensor_core.append(name)
             elif tensor_cores:
-                reason = _no_tensor_core_reason(func)
+                reason = _no_tensor_core_reason(func, target)
                 fallbacks.append({"kernel": name, "reason": reason})
                 log.warning("matmul kernel %s is not on tensor cores: %s", name, reason)
     for gv, func in updated.items():
