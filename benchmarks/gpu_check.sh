@@ -15,6 +15,7 @@
 #   q8b/          a Qwen3-8B-shaped uniform-q4k f16 artifact for sm_90 without its weights
 #                 (compile_shape.py --artifact); `gpu_check_run.py fill` writes random ones
 # The tallow sources travel with the working tree; `run` imports them from there.
+# prepare: about 8 minutes on 2 shared cores (docs/gpu-artifacts.md#the-gpu-check), 36 MiB.
 # Carry it with: run(carry=["benchmarks/gpu_bundle"], command="benchmarks/gpu_check.sh run")
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
