@@ -119,6 +119,17 @@ def _add_compile(sub) -> None:
         "model's torch_dtype bf16 or f16, f16 for GGUF and f32 models)",
     )
     p.add_argument(
+        "--kv-dtype",
+        help="dtype of the KV cache: f16, bf16 or f32 (default: the compute dtype); TVM "
+        "0.27's paged cache holds no 8-bit cache (docs/gpu-artifacts.md)",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="tokens per KV cache page (16, the one size TVM 0.27's cache kernels take)",
+    )
+    p.add_argument(
         "--quant",
         action=_QuantOption,
         help=(
@@ -345,6 +356,8 @@ def _run_compile(args) -> int:
             cpu=args.cpu,
             sms=args.sms,
             dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            page_size=args.page_size,
             quant=args.quant,
             allow_requantize=args.allow_requantize,
             output=args.output,

@@ -98,8 +98,10 @@ def _check_versions(folder: Path, manifest: Manifest) -> None:
 
 
 def _compile_options(folder: Path, manifest: Manifest, options: AddTargetOptions):
-    """The artifact's own compile settings (dtype, task, KV page size, context window)."""
-    flag = {v: k for k, v in DTYPES.items()}[manifest.dtype]
+    """The artifact's own compile settings (dtype, task, KV dtype and page size, context
+    window)."""
+    flag_of = {v: k for k, v in DTYPES.items()}
+    flag = flag_of[manifest.dtype]
     model = options.model or manifest.model.source
     gguf_file = options.gguf_file
     if gguf_file is None and not model.endswith(".gguf"):
@@ -115,6 +117,7 @@ def _compile_options(folder: Path, manifest: Manifest, options: AddTargetOptions
         name=folder.name,
         gguf_file=gguf_file,
         page_size=manifest.kv_cache.page_size,
+        kv_dtype=flag_of[manifest.kv_cache.dtype],
         context_window=manifest.kv_cache.context_window,
         quiet=options.quiet,
         task=manifest.task,

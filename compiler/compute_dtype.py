@@ -37,11 +37,16 @@ def model_dtype(config: dict) -> str | None:
 
 
 def choose_compute_dtype(
-    requested: str | None, targets: list[str], config: dict, source_kind: str
+    requested: str | None,
+    targets: list[str],
+    config: dict,
+    source_kind: str,
+    requested_by: str = "--dtype",
 ) -> ComputeDtype:
-    """`requested` (`--dtype`) when given, else the targets' natural dtype (see above)."""
+    """`requested` (by the option `requested_by`) when given, else the targets' natural
+    dtype (see above)."""
     if requested is not None:
-        return ComputeDtype(requested, "--dtype")
+        return ComputeDtype(requested, requested_by)
     declared = model_dtype(config)  # a GGUF's config (from its metadata) states none
     backends = [get_backend(name) for name in targets or ["cpu"]]
     for backend in backends:

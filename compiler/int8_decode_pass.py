@@ -59,17 +59,22 @@ def int8_decode_kernels(report: BuildReport, vnni: bool = False):
     has AVX-512 VNNI (`schedules.cpu.int8_vnni.supported`)."""
     import tvm
 
+    from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
+
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8DecodeKernels")
     def _pass(mod, _ctx):
         updated = {}
+        float_dtype = "float32"  # what decode's matmuls read when none is replaced
         for gv, func in mod.functions_items():
             if isinstance(func, tvm.tirx.PrimFunc):
                 kernel = int8_kernel_for(func, vnni)
                 if kernel is not None:
                     updated[gv] = kernel
+                elif func.attrs and QUANT_TYPE_ATTR in func.attrs:
+                    float_dtype = str(func.params[0].dtype)  # f16/bf16 keep their floats
         for gv, kernel in updated.items():
             mod[gv] = kernel
-        report.decode_activations = ACTIVATIONS if updated else "float32"
+        report.decode_activations = ACTIVATIONS if updated else float_dtype
         report.int8_decode_kernels = len(updated)
         if updated:
             report.int8_decode_tiles = "avx512-vnni" if vnni else "avx2"

@@ -25,6 +25,7 @@ from tallow.runtime.manifest import (
 
 from . import tokenizer_files
 from .compute_dtype import choose_compute_dtype
+from .kv_layout import check_page_size, choose_kv_dtype
 from .libraries import (
     artifact_suffix,
     library_info,
@@ -64,11 +65,14 @@ def read_model(state: CompileState) -> str:
     """The source's config, architecture, weight map and quantization plan (no files written)."""
     opts = state.options
     state.source = source = resolve_source(opts.model, gguf_file=opts.gguf_file)
+    # float weights (`--quant f16`) are in the compute dtype: they name it
+    by_quant = opts.dtype is None and opts.quant in FLOAT_FORMATS
     choice = choose_compute_dtype(
-        opts.dtype or (opts.quant if opts.quant in FLOAT_FORMATS else None),
+        opts.quant if by_quant else opts.dtype,
         [opts.target] if isinstance(opts.target, str) else list(opts.target),
         source.config,
         source.kind,
+        requested_by="--quant" if by_quant else "--dtype",
     )
     state.options = opts = dataclasses.replace(opts, dtype=choice.dtype)
     state.dtype_source = choice.source
@@ -76,6 +80,9 @@ def read_model(state: CompileState) -> str:
         state.targets = resolve_targets(opts)
     for spec in state.targets:
         spec.backend.check_dtype(opts.dtype)
+    kv_dtype = choose_kv_dtype(opts.kv_dtype, opts.dtype, [s.backend for s in state.targets])
+    check_page_size(opts.page_size)
+    state.options = opts = dataclasses.replace(opts, kv_dtype=kv_dtype)
     state.target = state.targets[0]
     try:
         state.architecture = arch = get_architecture(source.config)
@@ -131,6 +138,7 @@ def build_module(state: CompileState) -> str:
         state.target.tvm(),
         quant=state.quant_plan.module_types(),
         task=state.options.task,
+        kv_dtype=DTYPES[state.options.kv_dtype],
     )
     return f"{type(state.module).__name__} ({dtype})"
 
@@ -245,7 +253,7 @@ def write_manifest(state: CompileState) -> str:
         quantization=state.quant_plan.label,
         kv_cache=KVCacheInfo(
             page_size=opts.page_size,
-            dtype=dtype,
+            dtype=DTYPES[opts.kv_dtype],
             context_window=cfg.context_window_size,
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,

@@ -45,7 +45,8 @@ class CompileOptions:
     output: Path = Path("artifacts")
     name: str | None = None
     gguf_file: str | None = None
-    page_size: int = 16
+    page_size: int = 16  # --page-size (kv_layout.PAGE_SIZES)
+    kv_dtype: str | None = None  # --kv-dtype; None: the compute dtype (kv_layout.py)
     context_window: int | None = None
     overwrite: bool = False
     quiet: bool = False

@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from .config import DecoderConfig
+from .kv_cast import CastingKVCache
 from .moe import MoEMLP
 from .parts import (
     activation,
@@ -179,7 +180,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, quant: QuantTypes):
+    def __init__(self, config: DecoderConfig, dtype: str, quant: QuantTypes, kv_dtype: str):
+        self.kv_dtype = kv_dtype
         vocab, hidden = config.vocab_size, config.hidden_size
         embed_q = quant.get("model.embed_tokens.weight", "none")
         if embed_q == "none":
@@ -195,8 +197,9 @@ class DecoderBody(nn.Module):
         self.norm = make_norm(hidden, config.rms_norm_eps, config.norm_weight_offset, dtype)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        cache = kv_cache if self.kv_dtype == x.dtype else CastingKVCache(kv_cache, self.kv_dtype)
         for layer_id, layer in enumerate(self.layers):
-            x = layer(x, kv_cache, layer_id)
+            x = layer(x, cache, layer_id)
         return self.norm(x)
 
 
@@ -215,16 +218,20 @@ class DecoderLM(nn.Module):
         target: Target,
         quant: QuantTypes | None = None,
         task: str = "generate",
+        kv_dtype: str | None = None,
     ):
+        """`kv_dtype`: the KV cache's dtype (TVM's name), default `dtype`; attention runs in
+        it (`kv_cast.CastingKVCache`)."""
         if task not in TASKS:
             raise ValueError(f"unknown compile task {task!r}; choose from {', '.join(TASKS)}")
         quant = dict(quant or {})
         check_attention_support(config, target)
         self.config = config
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.target = target
         self.task = task
-        self.model = DecoderBody(config, dtype, quant)
+        self.model = DecoderBody(config, dtype, quant, self.kv_dtype)
         if task == "embed":
             self.lm_head = None  # never called: the embed task exports no logits
         elif not config.tie_word_embeddings:
@@ -310,7 +317,7 @@ class DecoderLM(nn.Module):
             rope_ext_factors=rx.prim_value(0),
             rotary_dim=c.head_dim,
             enable_disaggregation=False,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             target=self.target,
         )
         annotate_attention_kernels(c)

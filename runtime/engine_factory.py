@@ -16,13 +16,11 @@ from .devices import device_kind
 from .engine import Engine
 from .errors import TallowError
 from .library_select import LibraryChoice, choose_library
-from .manifest import Manifest
+from .manifest import DTYPE_BYTES, Manifest
 from .model_runner import KVCacheConfig, TVMModelRunner
 from .scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -49,8 +47,7 @@ class KVPlan:
 
 
 def kv_bytes_per_token(manifest: Manifest) -> int:
-    kv = manifest.kv_cache
-    return 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * _DTYPE_BYTES.get(kv.dtype, 4)
+    return manifest.kv_cache.bytes_per_token()
 
 
 def _free_memory(choice: LibraryChoice) -> int:
@@ -95,7 +92,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     manifest = Manifest.read(Path(folder))
     choice = choose_library(manifest, options.device)
     params = manifest.params_for(choice.library)
-    weight_bytes = sum(_DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in params)
+    weight_bytes = sum(DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in params)
     plan = plan_kv_cache(manifest, options, weight_bytes, choice)
     chunk = options.prefill_chunk_size
     # Prefix-cache entries are live sequences in the KV cache too.

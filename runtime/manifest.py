@@ -38,10 +38,16 @@ class ManifestModel:
     config: dict[str, Any]
 
 
+# bytes per element of the dtypes an artifact stores (TVM's names)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 @dataclass
 class KVCacheInfo:
-    page_size: int
-    dtype: str
+    """The paged KV cache's layout, fixed at compile time (`--kv-dtype`, `--page-size`)."""
+
+    page_size: int  # tokens per page
+    dtype: str  # of the cached keys and values (TVM's name), the compute dtype by default
     context_window: int
     layout: str = "paged"
     num_layers: int = 0
@@ -51,6 +57,15 @@ class KVCacheInfo:
     # attention kernels apply it; every layer keeps its whole history in the cache).
     sliding_window: int | None = None
     windowed_layers: list[int] = field(default_factory=list)
+
+    def bytes_per_token(self) -> int:
+        """Cache memory one token takes: a key and a value per layer and KV head."""
+        if self.dtype not in DTYPE_BYTES:
+            raise ArtifactError(f"KV cache dtype {self.dtype!r} is not one this runtime knows")
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def bytes_per_page(self) -> int:
+        return self.page_size * self.bytes_per_token()
 
 
 @dataclass
@@ -149,8 +164,8 @@ class Manifest:
     checksums: dict[str, dict[str, Any]] | None = None
     # Weight sets besides `main` (for a target that needs another layout): name -> params.
     weight_sets: dict[str, list[ParamInfo]] = field(default_factory=dict)
-    # Why `dtype`: "--dtype", or the targets' natural dtype ("natural for cuda (model
-    # torch_dtype bf16)"); artifacts from before natural dtypes say "--dtype".
+    # Why `dtype`: "--dtype" ("--quant" for `--quant f16`), or the targets' natural dtype
+    # ("natural for cuda (model torch_dtype bf16)"); artifacts from before say "--dtype".
     dtype_source: str = "--dtype"
 
     def params_for(self, library: LibraryInfo) -> list[ParamInfo]:

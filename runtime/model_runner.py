@@ -221,11 +221,14 @@ class TVMModelRunner:
             shape([0]),
         )
         self.num_pages = int(self._free_pages(self.kv_cache))
+        kv_info = self.manifest.kv_cache
         log.info(
-            "KV cache: %d pages of %d tokens (%d tokens), max batch %d",
+            "KV cache: %d pages of %d tokens (%d tokens, %s, %d bytes a page), max batch %d",
             self.num_pages,
             self.page_size,
             self.num_pages * self.page_size,
+            kv_info.dtype,
+            kv_info.bytes_per_page(),
             kv.max_batch_size,
         )
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import ArtifactError
-from .manifest import Manifest
+from .manifest import DTYPE_BYTES, Manifest
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ GPUS = {
     )
 }
 
-_ITEMSIZE = {"uint8": 1, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
+_ITEMSIZE = {**DTYPE_BYTES, "uint8": 1, "int8": 1, "int32": 4}  # GGUF blocks are uint8
 
 
 def gpu_spec(name: str) -> GPUSpec:
@@ -131,7 +131,7 @@ def decode_roofline(manifest: Manifest, gpu: str, batch: int = 1, context: int =
         else:
             weights += size
     kv = manifest.kv_cache
-    per_layer = 2 * kv.num_kv_heads * kv.head_dim * _ITEMSIZE[kv.dtype]  # K and V
+    per_layer = kv.bytes_per_token() // kv.num_layers  # a K and a V row per KV head
     windowed = set(kv.windowed_layers)
     positions = sum(
         min(context, kv.sliding_window) if i in windowed and kv.sliding_window else context
@@ -144,5 +144,5 @@ def decode_roofline(manifest: Manifest, gpu: str, batch: int = 1, context: int =
         weight_bytes=weights,
         embedding_bytes=embedding,
         kv_bytes=batch * per_layer * positions,
-        kv_bytes_per_token=per_layer * kv.num_layers,
+        kv_bytes_per_token=kv.bytes_per_token(),
     )
