@@ -1,174 +1,183 @@
-"""Runs on the GPU machine with the runtime-only TVM bundle (no tallow, no tvm.relax).
+"""The GPU check's device half: runs tallow's own runtime (`TVMModelRunner`, the engine) on
+artifacts `gpu_check.sh prepare` built, with the runtime-only TVM bundle (no compiler).
 
-    python gpu_check_run.py parity  SMALL_CUDA_DIR SMALL_CPU_DIR
-    python gpu_check_run.py speed   BIG_CUDA_DIR
+    python gpu_check_run.py fill    ARTIFACT            # random weights for a skeleton
+    python gpu_check_run.py parity  SMALL_CUDA SMALL_CPU
+    python gpu_check_run.py speed   ARTIFACT [--gpu H200]
+    python gpu_check_run.py engine  ARTIFACT
 
-Each DIR holds a library and shape.json from `compile_shape.py`. Weights are random
-(seeded), made here in the shapes shape.json lists, so nothing large is carried over.
-`parity` prefills a prompt and decodes a few steps with the CUDA and the CPU library on the
-same weights and compares the logits; `speed` times batched decode at batch 1 and 16.
+`fill` writes the weight shards a skeleton's manifest names (compile_shape.py --artifact):
+norms 1, float weights N(0, 0.02), GGUF q4k blocks random bytes with their two f16 scales
+(d, dmin) set to 2^-10 so no block decodes to inf or NaN. `parity` loads the same compiled
+small model (real weights) on the GPU and on the CPU and compares the logits of a prefill and
+a few greedy decode steps; `speed` times decode at batch 1, 16 and 64 and a 512-token
+prefill through `TVMModelRunner.forward`, next to the roofline bound
+(`runtime/roofline.py`); `engine` runs 64 requests through the engine's step loop.
+Runs on this machine too (CPU artifacts), which is how the script itself is tested.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
+import argparse
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-import tvm  # noqa: E402  (runtime-only)
-from tvm.runtime import vm as tvm_vm  # noqa: E402
-
-PAGE = 16
+Q4K_BLOCK, Q4K_SCALE = 144, np.float16(2**-10)
 
 
-def _load_cuda_runtime() -> None:
-    lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
-    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+def _runner(folder: Path, device: str, batch: int = 64, chunk: int = 512):
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    kv = KVCacheConfig(
+        max_batch_size=batch, max_total_tokens=batch * 1024, prefill_chunk_size=chunk
+    )
+    return TVMModelRunner(folder, device=device, kv=kv)
 
 
-class Model:
-    def __init__(self, folder: Path, dev, seed: int = 0, max_batch: int = 16, cheap=False):
-        self.info = json.loads((folder / "shape.json").read_text())
-        self.dev = dev
-        lib = tvm.runtime.load_module(str(folder / self.info["library"]))
-        self.vm = tvm_vm.VirtualMachine(lib, dev)
-        rng = np.random.default_rng(seed)
-        self.params = []
-        block = rng.standard_normal(1 << 20, dtype=np.float32)
-        for name, shape, dtype in self.info["params"]:
-            scale = 1.0 if "norm" in name else 0.02
-            base = 1.0 if "norm" in name else 0.0
-            if cheap:  # 8B parameters: tile one random block (values do not matter for speed)
-                noise = np.resize(block, shape)
-            else:
-                noise = rng.standard_normal(shape, dtype=np.float32)
-            arr = (base + scale * noise).astype(dtype)
-            self.params.append(tvm.runtime.tensor(arr, dev))
-        cfg = self.info["config"]
-        self.hidden = cfg["hidden_size"]
-        S = tvm.runtime.ShapeTuple
-        self.kv = self.vm["create_paged_kv_cache"](
-            S([max_batch]), S([max_batch * 1024]), S([512]), S([PAGE]), S([0])
-        )
-        get = tvm.get_global_func
-        self.add = get("vm.builtin.kv_state_add_sequence")
-        self.begin = get("vm.builtin.kv_state_begin_forward")
-        self.end = get("vm.builtin.kv_state_end_forward")
+def fill(folder: Path, seed: int = 0) -> int:
+    from safetensors.numpy import save_file
 
-    def forward(self, items):
-        """items: [(seq_id, tokens)]; returns float32 logits of each item's last token."""
-        lengths = [len(t) for _, t in items]
-        ids = np.array([x for _, t in items for x in t], dtype=np.int32)
-        emb = self.vm["embed"](tvm.runtime.tensor(ids, self.dev), self.params)
-        S = tvm.runtime.ShapeTuple
-        self.begin(self.kv, S([s for s, _ in items]), S(lengths))
-        if max(lengths) == 1:
-            emb = emb._create_view((len(items), 1, self.hidden))
-            logits, _ = self.vm["batch_decode"](emb, self.kv, self.params)
+    from tallow.runtime.manifest import Manifest
+
+    manifest = Manifest.read(folder)
+    rng = np.random.default_rng(seed)
+    noise = rng.standard_normal(1 << 22, dtype=np.float32) * 0.02
+    raw = rng.integers(0, 256, 1 << 24, dtype=np.uint8)
+    shards: dict[str, dict[str, np.ndarray]] = {}
+    t = time.perf_counter()
+    for p in manifest.params:
+        if p.dtype == "uint8":
+            if p.quant != "q4k":
+                raise SystemExit(f"fill: {p.name} is {p.quant}; only q4k blocks are filled")
+            arr = np.resize(raw, p.shape).reshape(-1, Q4K_BLOCK)
+            arr[:, 0:4] = np.frombuffer(np.array([Q4K_SCALE] * 2).tobytes(), np.uint8)
+            arr = arr.reshape(p.shape)
+        elif "norm" in p.name:
+            arr = np.ones(p.shape, dtype=p.dtype)
         else:
-            pos = np.cumsum(lengths, dtype=np.int32) - 1
-            emb = emb._create_view((1, int(ids.size), self.hidden))
-            logits, _ = self.vm["batch_prefill"](
-                emb, tvm.runtime.tensor(pos, self.dev), self.kv, self.params
-            )
-        self.end(self.kv)
-        return logits
-
-
-def parity(cuda_dir: Path, cpu_dir: Path) -> int:
-    _load_cuda_runtime()
-    gpu, cpu = Model(cuda_dir, tvm.cuda(0)), Model(cpu_dir, tvm.cpu(0))
-    vocab = gpu.info["config"]["vocab_size"]
-    rng = np.random.default_rng(1)
-    prompts = {0: rng.integers(0, vocab, 37).tolist(), 1: rng.integers(0, vocab, 5).tolist()}
-    worst = 0.0
-    for m in (gpu, cpu):
-        for s in prompts:
-            m.add(m.kv, s)
-    for step in range(6):
-        items = list(prompts.items()) if step == 0 else [(s, [t[-1]]) for s, t in prompts.items()]
-        a = gpu.forward(items).numpy().astype(np.float32).reshape(len(items), -1)
-        b = cpu.forward(items).numpy().astype(np.float32).reshape(len(items), -1)
-        err = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
-        worst = max(worst, err)
-        same = bool((a.argmax(-1) == b.argmax(-1)).all())
-        print(f"step {step}: max rel err {err:.2e}, argmax equal {same}")
-        for s in prompts:  # feed the CPU's greedy token to both
-            prompts[s] = prompts[s] + [int(b[list(prompts).index(s)].argmax())]
-    ok = worst < 2e-2
-    print(f"PARITY {'OK' if ok else 'FAIL'}: worst relative error {worst:.2e} (f16 vs f32)")
-    return 0 if ok and sampler_parity(gpu, cpu) else 1
-
-
-def sampler_parity(gpu: Model, cpu: Model, rows: int = 64) -> bool:
-    """The compiled sampler on the GPU against the CPU build's, on the same logits."""
-    vocab = gpu.info["config"]["vocab_size"]
-    rng = np.random.default_rng(2)
-    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
-    controls = np.stack(
-        [
-            rng.choice([0.0, 0.7, 1.0], rows),  # temperature
-            rng.choice([0, 5, 50], rows),  # top_k
-            rng.choice([1.0, 0.9, 0.5], rows),  # top_p
-            rng.choice([0.0, 0.05], rows),  # min_p
-            rng.random(rows),  # uniform draw
-        ],
-        axis=1,
-    ).astype(np.float32)
-    out = []
-    for m in (gpu, cpu):
-        args = [tvm.runtime.tensor(a, m.dev) for a in (logits, controls)]
-        out.append(m.vm["sample_tokens"](*args).numpy())
-    same = int((out[0] == out[1]).sum())
-    greedy = controls[:, 0] == 0
-    ok = bool((out[0][greedy] == out[1][greedy]).all()) and same >= rows - 2
-    # Sampled rows may differ where float rounding moves u * total across a token boundary.
-    print(f"SAMPLER {'OK' if ok else 'FAIL'}: {same}/{rows} rows pick the same token")
-    if ok:  # time the kernel alone: 16 rows, inputs already on the device
-        args = [tvm.runtime.tensor(a[:16], gpu.dev) for a in (logits, controls)]
-        gpu.vm["sample_tokens"](*args)
-        gpu.dev.sync()
-        t = time.perf_counter()
-        for _ in range(20):
-            gpu.vm["sample_tokens"](*args)
-        gpu.dev.sync()
-        print(f"sample_tokens, 16 rows: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
-    return ok
-
-
-def speed(cuda_dir: Path, steps: int = 64) -> int:
-    _load_cuda_runtime()
-    dev = tvm.cuda(0)
-    m = Model(cuda_dir, dev, max_batch=16, cheap=True)
-    vocab = m.info["config"]["vocab_size"]
-    for batch in (1, 16):
-        seqs = list(range(100 * batch, 100 * batch + batch))
-        for s in seqs:
-            m.add(m.kv, s)
-        m.forward([(s, list(range(1, 33))) for s in seqs])  # a 32-token prompt each
-        tokens = [(s, [7]) for s in seqs]
-        for _ in range(4):  # warm up
-            m.forward(tokens)
-        dev.sync()
-        t = time.perf_counter()
-        for i in range(steps):
-            m.forward([(s, [(i * 31 + s) % vocab]) for s in seqs])
-        dev.sync()
-        dt = time.perf_counter() - t
-        print(
-            f"decode batch {batch}: {steps * batch / dt:.1f} tok/s "
-            f"({1000 * dt / steps:.2f} ms/step)"
-        )
+            arr = np.resize(noise, p.shape).astype(p.dtype)
+        shards.setdefault(p.shard, {})[p.name] = arr
+    for shard, tensors in shards.items():
+        save_file(tensors, str(folder / shard))
+    size = sum(a.nbytes for s in shards.values() for a in s.values())
+    print(
+        f"fill: {size / 2**30:.2f} GiB in {len(shards)} shard(s), {time.perf_counter() - t:.0f} s"
+    )
     return 0
 
 
+def parity(cuda_dir: Path, cpu_dir: Path, device: str = "cuda") -> int:
+    gpu, cpu = _runner(cuda_dir, device, 4), _runner(cpu_dir, "cpu", 4)
+    rng = np.random.default_rng(1)
+    vocab = gpu.vocab_size
+    prompts = {0: rng.integers(0, vocab, 37).tolist(), 1: rng.integers(0, vocab, 5).tolist()}
+    for r in (gpu, cpu):
+        for s in prompts:
+            r.add_sequence(s)
+    worst, same_all = 0.0, True
+    for step in range(6):
+        items = list(prompts.items()) if step == 0 else [(s, [t[-1]]) for s, t in prompts.items()]
+        a = np.asarray(gpu.forward(items), dtype=np.float32)
+        b = np.asarray(cpu.forward(items), dtype=np.float32)
+        err = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
+        same = bool((a.argmax(-1) == b.argmax(-1)).all())
+        worst, same_all = max(worst, err), same_all and same
+        print(f"step {step}: max |gpu - cpu| / max |cpu| = {err:.2e}, argmax equal {same}")
+        for i, s in enumerate(prompts):  # both continue with the CPU's greedy token
+            prompts[s] = prompts[s] + [int(b[i].argmax())]
+    # f16 activations against f32: judged on the logits; an argmax may flip on a near-tie.
+    ok = worst < 3e-2
+    print(
+        f"PARITY {'OK' if ok else 'FAIL'}: worst {worst:.2e} ({gpu.manifest.dtype} on {device} "
+        f"vs CPU {cpu.manifest.dtype}); argmax equal at every step: {same_all}"
+    )
+    return 0 if ok else 1
+
+
+def _sync(runner) -> None:
+    runner.device.sync()
+
+
+def speed(folder: Path, gpu_name: str = "H200", device: str = "cuda", steps: int = 32) -> int:
+    from tallow.runtime.roofline import decode_roofline
+
+    runner = _runner(folder, device, 64)
+    vocab, context = runner.vocab_size, 512
+    print(f"{folder.name}: {runner.manifest.quantization}, {runner.manifest.dtype}")
+    seq = 0
+    for batch in (1, 16, 64):
+        seqs = list(range(seq, seq + batch))
+        seq += batch
+        t = time.perf_counter()
+        for s in seqs:  # a 512-token context each, prefilled one sequence at a time
+            runner.add_sequence(s)
+            runner.forward([(s, [(7 * i + s) % vocab for i in range(context)])])
+        _sync(runner)
+        if batch == 1:
+            dt = time.perf_counter() - t
+            print(f"prefill 512 tokens: {context / dt:,.0f} tok/s ({dt * 1e3:.1f} ms, first call)")
+            t = time.perf_counter()
+            runner.add_sequence(10_000)
+            runner.forward([(10_000, [(5 * i) % vocab for i in range(context)])])
+            _sync(runner)
+            dt = time.perf_counter() - t
+            print(f"prefill 512 tokens: {context / dt:,.0f} tok/s ({dt * 1e3:.1f} ms, warm)")
+            runner.remove_sequence(10_000)
+        for i in range(3):  # warm-up (and CUDA-graph capture of this batch size)
+            runner.forward([(s, [(i + s) % vocab]) for s in seqs])
+        _sync(runner)
+        t = time.perf_counter()
+        for i in range(steps):
+            runner.forward([(s, [(i * 31 + s) % vocab]) for s in seqs])
+        _sync(runner)
+        dt = (time.perf_counter() - t) / steps
+        bound = decode_roofline(runner.manifest, gpu_name, batch, context + 3 + steps // 2)
+        measured = batch / dt
+        print(
+            f"decode batch {batch:2d}: {measured:9,.1f} tok/s ({dt * 1e3:.2f} ms/step); "
+            f"roofline {bound.tokens_per_second:9,.1f} tok/s on {gpu_name}: "
+            f"{measured / bound.tokens_per_second:.0%} of the bound"
+        )
+        for s in seqs:
+            runner.remove_sequence(s)
+    return 0
+
+
+def engine(folder: Path, device: str = "cuda", requests: int = 64, tokens: int = 64) -> int:
+    from tallow.runtime.engine_factory import EngineOptions, build_engine
+    from tallow.runtime.sampling_params import SamplingParams
+
+    eng = build_engine(folder, EngineOptions(device=device, max_num_seqs=requests))
+    vocab = eng.runner.vocab_size
+    prompts = [[(13 * i + j) % vocab for j in range(32)] for i in range(requests)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[:1], params)  # warm-up
+    t = time.perf_counter()
+    out = eng.generate(prompts, params)
+    dt = time.perf_counter() - t
+    made = sum(o[-1].usage.completion_tokens for o in out)
+    print(f"engine: {requests} requests x {tokens} tokens: {made / dt:,.0f} tok/s ({dt:.1f} s)")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=["fill", "parity", "speed", "engine"])
+    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--gpu", default="H200")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    if args.command == "fill":
+        return fill(args.folders[0])
+    if args.command == "parity":
+        return parity(*args.folders, device=args.device)
+    if args.command == "speed":
+        return speed(args.folders[0], args.gpu, args.device)
+    return engine(args.folders[0], args.device)
+
+
 if __name__ == "__main__":
-    cmd, *dirs = sys.argv[1:]
-    fn = {"parity": parity, "speed": speed}[cmd]
-    sys.exit(fn(*map(Path, dirs)))
+    sys.exit(main())

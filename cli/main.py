@@ -209,8 +209,23 @@ def _add_device(p) -> None:
 
 
 def _add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="print an artifact's manifest")
+    p = sub.add_parser(
+        "inspect",
+        help="print an artifact's manifest, or with --gpu its decode roofline",
+        description=(
+            "Print the manifest. With --gpu, print instead the bytes one decode step reads "
+            "(weights once, the KV cache of every sequence) and the resulting upper bound on "
+            "tok/s on that GPU (runtime/roofline.py)."
+        ),
+    )
     p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
+    from tallow.runtime.roofline import GPUS
+
+    p.add_argument("--gpu", help=f"a GPU by name: {', '.join(GPUS)}")
+    p.add_argument("--batch", type=int, default=1, help="sequences per decode step (default 1)")
+    p.add_argument(
+        "--context", type=int, default=512, help="positions each sequence attends to (512)"
+    )
 
 
 def _add_verify(sub) -> None:
@@ -387,7 +402,13 @@ def _run_inspect(args) -> int:
     from tallow.cli.hub import manifest_folder
     from tallow.runtime.manifest import Manifest
 
-    sys.stdout.write(Manifest.read(manifest_folder(args.artifact)).to_yaml())
+    manifest = Manifest.read(manifest_folder(args.artifact))
+    if args.gpu is None:
+        sys.stdout.write(manifest.to_yaml())
+        return 0
+    from tallow.runtime.roofline import decode_roofline
+
+    print(decode_roofline(manifest, args.gpu, args.batch, args.context).describe())
     return 0
 
 

@@ -122,15 +122,18 @@ def nvcc_version() -> str:
     return m.group(1) if m else out.strip().splitlines()[-1]
 
 
-def nvcc_fatbin(code: str, archs: list[int]) -> bytes:
-    """Compile CUDA source to one fatbin holding SASS for every arch in `archs`."""
+def nvcc_fatbin(code: str, archs: list[int], record: dict | None = None) -> bytes:
+    """Compile CUDA source to one fatbin holding SASS for every arch in `archs`.
+
+    `record["ptxas"]` gets ptxas's verbose report (`-Xptxas -v`: registers, spills and
+    shared memory of every kernel for every arch), parsed by `ptxas_resources`."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise TargetError("compiling for CUDA needs nvcc (the CUDA toolkit) on PATH")
     with tempfile.TemporaryDirectory(prefix="tallow-nvcc-") as tmp:
         src, out = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.fatbin"
         src.write_text(code)
-        cmd = [nvcc, "--fatbin", "-O3", "-o", str(out), str(src)]
+        cmd = [nvcc, "--fatbin", "-O3", "-Xptxas", "-v", "-o", str(out), str(src)]
         for sm in archs:
             cmd += ["-gencode", f"arch=compute_{sm},code=sm_{sm}"]
         # The same dialect flags TVM's generated code expects from its own nvcc path.
@@ -148,6 +151,8 @@ def nvcc_fatbin(code: str, archs: list[int]) -> bytes:
         if proc.returncode != 0:
             raise TargetError(f"nvcc failed:\n{proc.stdout}{proc.stderr}"[-4000:])
         data = out.read_bytes()
+        if record is not None:
+            record["ptxas"] = proc.stdout + proc.stderr
     if not data:
         raise TargetError("nvcc produced an empty fatbin")
     return data
@@ -166,7 +171,7 @@ def nvcc_callback(archs: list[int], record: dict | None = None):
         calls.append(len(code))
         if record is not None:
             record["cuda_source"] = code
-        return bytearray(nvcc_fatbin(code, archs))
+        return bytearray(nvcc_fatbin(code, archs, record))
 
     tvm_ffi.register_global_func(name, compile_hook, override=True)
     try:
@@ -174,6 +179,47 @@ def nvcc_callback(archs: list[int], record: dict | None = None):
     finally:
         if previous is not None:
             tvm_ffi.register_global_func(name, previous, override=True)
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+_PTXAS_FIELDS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "smem_bytes": re.compile(r"(\d+) bytes smem"),
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def ptxas_resources(report: str) -> dict[str, dict[str, dict[str, int]]]:
+    """{kernel: {arch: {registers, smem_bytes, stack_bytes, spill_stores, spill_loads}}} from
+    `ptxas -v` output (the lines after each "Compiling entry function" belong to it)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    current: dict[str, int] | None = None
+    for line in report.splitlines():
+        entry = _PTXAS_ENTRY.search(line)
+        if entry:
+            current = out.setdefault(entry.group(1), {}).setdefault(entry.group(2), {})
+            continue
+        if current is None:
+            continue
+        for key, pattern in _PTXAS_FIELDS.items():
+            found = pattern.search(line)
+            if found:
+                current[key] = int(found.group(1))
+    return out
+
+
+def kernels_with(source: str, pattern: str) -> list[str]:
+    """Names of the `__global__` kernels in CUDA `source` whose body matches `pattern`."""
+    parts = re.split(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)
+    # parts: [preamble, name1, body1, name2, body2, ...]; a forward declaration of a kernel
+    # makes an empty body followed by its definition under the same name.
+    names = set()
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if re.search(pattern, body):
+            names.add(name)
+    return sorted(names)
 
 
 _FATBIN_MAGIC = 0xBA55ED50

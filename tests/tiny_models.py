@@ -68,6 +68,17 @@ CONFIGS = {
         "tie_word_embeddings": False,
         "rope_theta": 1000000.0,
     },
+    # Qwen3 with rows of 256 weights: every matrix takes K-quant blocks (GPU schedule checks).
+    "qwen3_wide": {
+        **BASE,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "head_dim": 64,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+    },
     "qwen3": {
         **BASE,
         "architectures": ["Qwen3ForCausalLM"],

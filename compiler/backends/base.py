@@ -49,6 +49,9 @@ class BuildReport:
     kernels_in_source: int | None = None  # CUDA: __global__ functions generated
     shaders: int | None = None  # Metal: kernel functions generated
     tensor_core_in_source: bool | None = None  # GPU: matrix-unit calls in the device code
+    tensor_core_kernels: list[str] | None = None  # GPU: device kernels with matrix-unit calls
+    spills: dict[str, Any] | None = None  # CUDA: kernels whose registers spill, per arch
+    kernel_resources: dict[str, Any] | None = None  # CUDA: `ptxas -v` per kernel and arch
 
     def to_details(self) -> dict[str, Any]:
         """The manifest's `target.details`: the set fields, in field order."""

@@ -6,8 +6,13 @@ once, for the lowest requested arch (its features are a subset of the others'), 
 
 CUDA graphs: `RewriteCUDAGraph` runs after memory planning (the order of TVM's own CUDA
 pipeline), so a graph replays fixed buffers. It needs statically planned memory:
-`batch_decode` gets an upper bound on `batch_size` (`tir_var_upper_bound`). What was captured
-is recorded in the manifest (`target.details.cuda_graph`).
+`batch_decode` gets an upper bound on `batch_size` (`tir_var_upper_bound`), and the attribute
+`relax.rewrite_cuda_graph.capture_symbolic_vars` lets the pass capture regions whose shapes
+depend on `batch_size`: the VM then keeps one graph per batch size it meets
+(`vm.builtin.cuda_graph.run_or_capture` keys its cache on the shape values). The paged KV
+cache's attention calls take per-step page tables, so they stay outside the graphs: each
+layer's kernels between two attention calls are one captured region. What was captured is
+recorded in the manifest (`target.details.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -19,14 +24,19 @@ from tallow.runtime.cpu_features import host_platform
 from tallow.runtime.errors import TargetError
 
 from .base import BuildReport, TargetSpec
-from .gpu import GPUBackend, count
+from .gpu import GPUBackend
 
 # Architectures we build and test for (Ampere, Ampere GA10x, Ada, Hopper, Blackwell DC/RTX).
 CUDA_SMS = (80, 86, 89, 90, 100, 120)
 
 # Largest decode batch a CUDA graph is captured for (the runner caps its batch to this).
-CUDA_GRAPH_MAX_BATCH = 32
+CUDA_GRAPH_MAX_BATCH = 64
+# Tensor-core instructions in generated CUDA: wmma (what dlight emits) or inline PTX mma.
+TENSOR_CORE_CALLS = r"wmma::mma_sync|mma\.sync"
 _GRAPH_BOUNDS = {"batch_decode": {"batch_size": CUDA_GRAPH_MAX_BATCH}}
+_CAPTURE_VARS = "relax.rewrite_cuda_graph.capture_symbolic_vars"
+# Batch sizes the runtime rounds a decode batch up to, so at most this many graphs exist.
+CUDA_GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class CUDABackend(GPUBackend):
@@ -87,7 +97,9 @@ class CUDABackend(GPUBackend):
         for gv, func in list(mod.functions_items()):
             bounds = _GRAPH_BOUNDS.get(gv.name_hint)
             if bounds and isinstance(func, relax.Function):
-                mod[gv] = func.with_attr("tir_var_upper_bound", bounds)
+                func = func.with_attr("tir_var_upper_bound", bounds)
+                func = func.with_attr(_CAPTURE_VARS, list(bounds))
+                mod[gv] = func
         return mod
 
     def passes_after_memory_planning(self, spec: TargetSpec, target) -> list:
@@ -102,7 +114,13 @@ class CUDABackend(GPUBackend):
     def build(self, mod, spec: TargetSpec, path: Path) -> None:
         import tvm
 
-        from ..cuda_build import ensure_cuda_codegen, nvcc_callback, nvcc_version
+        from ..cuda_build import (
+            ensure_cuda_codegen,
+            kernels_with,
+            nvcc_callback,
+            nvcc_version,
+            ptxas_resources,
+        )
 
         report = spec.report
         report.nvcc = nvcc_version()
@@ -113,8 +131,16 @@ class CUDABackend(GPUBackend):
         with target, self.pass_context(spec), nvcc_callback(sms, record):
             executable = tvm.compile(mod, target, relax_pipeline=None)
         source = record.get("cuda_source", "")
-        report.kernels_in_source = count(r'extern "C" __global__', source)
-        report.tensor_core_in_source = bool(re.search(r"wmma::mma_sync|mma\.sync", source))
+        report.kernels_in_source = len(kernels_with(source, ""))  # declared once, defined once
+        report.tensor_core_in_source = bool(re.search(TENSOR_CORE_CALLS, source))
+        report.tensor_core_kernels = kernels_with(source, TENSOR_CORE_CALLS)
+        resources = ptxas_resources(record.get("ptxas", ""))
+        report.spills = {
+            kernel: {arch: r for arch, r in per_arch.items() if r.get("spill_stores")}
+            for kernel, per_arch in resources.items()
+            if any(r.get("spill_stores") for r in per_arch.values())
+        }
+        report.kernel_resources = resources
         executable.export_library(str(path))
 
 
@@ -122,15 +148,18 @@ def _graph_report(mod) -> dict:
     """Which Relax functions RewriteCUDAGraph captured (the manifest records it as found)."""
     from tvm import relax
 
-    captured, not_captured = [], []
+    captured, not_captured, regions = [], [], {}
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function) and gv.name_hint in ("decode", "batch_decode"):
-            graph = "cuda_graph.run_or_capture" in func.script()
-            (captured if graph else not_captured).append(gv.name_hint)
+            calls = func.script().count("cuda_graph.run_or_capture")
+            (captured if calls else not_captured).append(gv.name_hint)
+            regions[gv.name_hint] = calls
     report = {
         "enabled": bool(captured),
         "max_batch_size": CUDA_GRAPH_MAX_BATCH,
+        "batch_buckets": list(CUDA_GRAPH_BATCH_BUCKETS),
         "captured_functions": sorted(captured),
+        "captured_regions": regions,  # run_or_capture calls per function
     }
     if not_captured:
         # Seen with TVM 0.27: the symbolic-batch batch_decode is not captured even with a

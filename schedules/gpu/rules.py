@@ -8,11 +8,19 @@ Rule order matters (first match wins), as in MLC-LLM:
   (simdgroup matrices). Otherwise a SIMT tiling.
 * `GEMV` / `LowBatchGEMV` – decode: one (or a few) rows times a weight matrix; memory
   bound, tensor cores would not help.
+* `QuantDecodeGEMV` (ours, `quant_gemv.py`) – decode matmuls over GGUF blocks with a static
+  row count, which dlight's GEMV cannot analyse and LowBatchGEMV declines.
 * `Reduction` / `GeneralReduction` – RMSNorm, softmax and the like.
 * `Fallback` – everything else (elementwise) gets a plain thread binding.
 
 The paged-attention kernels of TVM's KV cache come already scheduled for the GPU and are
 left alone ("prescheduled").
+
+Kernels called from the decode functions (`decode`, `batch_decode`) try the matrix-vector
+rules first: there `Matmul` would tile a 1–64-row product like a prefill GEMM, reading every
+weight tile once per row block. `LowBatchGEMV` dequantizes each weight chunk into registers
+once per tile of 4 batch rows (read from its TIR): one pass over the weights up to batch 4,
+ceil(batch / 4) passes above.
 
 A kernel the `Matmul` rule took but could not put on tensor cores is never silent: it is
 listed with the reason, and a warning is logged, because on a tensor-core GPU such a kernel
@@ -66,15 +74,49 @@ def _import_tensor_intrinsics() -> None:
         inspect.getmodule = original
 
 
-def _rules():
-    return [
-        ("Matmul", dl.gpu.Matmul()),
-        ("GEMV", dl.gpu.GEMV()),
+# Relax functions whose kernels are matrix-vector products (1 to 64 rows).
+DECODE_FUNCTIONS = ("decode", "batch_decode")
+
+
+def _rules(decode: bool):
+    from .quant_gemv import QuantDecodeGEMV
+
+    matmul = [("Matmul", dl.gpu.Matmul())]
+    gemv = [
+        ("QuantDecodeGEMV", QuantDecodeGEMV()),
         ("LowBatchGEMV", dl.gpu.LowBatchGEMV()),
+        ("GEMV", dl.gpu.GEMV()),
+    ]
+    rest = [
         ("Reduction", dl.gpu.Reduction()),
         ("GeneralReduction", dl.gpu.GeneralReduction()),
         ("Fallback", dl.gpu.Fallback()),
     ]
+    return gemv + matmul + rest if decode else matmul + gemv + rest
+
+
+def is_quant_matmul(func: tirx.PrimFunc) -> bool:
+    """A matmul over GGUF blocks: `model_defs/quant_ops.quant_matmul_te`'s two blocks."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    try:
+        sch.get_sblock("dequantize")
+        sch.get_sblock("matmul")
+    except Exception:  # noqa: BLE001 - TVM raises its own error type for a missing block
+        return False
+    return True
+
+
+def _decode_kernels(mod: tvm.IRModule) -> set[str]:
+    """Names of the PrimFuncs the decode functions call."""
+    from tvm import relax
+
+    called: set[str] = set()
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and gv.name_hint in DECODE_FUNCTIONS:
+            called |= {g.name_hint for g in relax.analysis.all_global_vars(func)}
+    return called
 
 
 def _family(name: str) -> str:
@@ -82,11 +124,16 @@ def _family(name: str) -> str:
     return re.sub(r"\d+(?=_|$)", "", name)
 
 
-def _no_tensor_core_reason(func: tirx.PrimFunc) -> str:
+def _no_tensor_core_reason(func: tirx.PrimFunc, target) -> str:
     """Why dlight's Matmul rule kept this kernel on SIMT cores (mirrors its own checks)."""
     # (The 0.27 Python PrimFunc exposes no buffer_map: read the buffers off its script.)
     buffers = re.findall(r'T\.Buffer\(\((.*?)\), "(\w+)"\)', func.script())
     dtypes = {dtype for _, dtype in buffers}
+    if target.kind.name == "metal" and {"float16", "float32"} <= dtypes:
+        return (
+            "f16 operands with an f32 accumulator: TVM's Metal simdgroup intrinsics take one "
+            "dtype for both"
+        )
     if "float16" not in dtypes:
         return f"dtype {'/'.join(sorted(dtypes))}: dlight tensorizes fp16 (and int8) only"
     if func.attrs and "dlight.do_not_tensorize" in func.attrs:
@@ -105,8 +152,9 @@ def schedule_module(
     `tensor_cores`: the target has matrix units (the backend's `has_tensor_cores`), so a
     matmul the Matmul rule kept on SIMT cores is reported with the reason."""
     _import_tensor_intrinsics()
-    rules = _rules()
+    decode_kernels = _decode_kernels(mod)
     kernels: dict[str, str] = {}
+    quant: dict[str, dict] = {}
     families: dict[str, Counter] = {}
     tensor_core, fallbacks, errors = [], [], {}
     updated = {}
@@ -119,7 +167,8 @@ def schedule_module(
             families.setdefault(_family(name), Counter())["prescheduled"] += 1
             continue
         chosen = None
-        for rule_name, rule in rules:
+        role = "decode" if name in decode_kernels else "prefill"
+        for rule_name, rule in _rules(role == "decode"):
             try:
                 space = rule.apply(func, target, False)
             except Exception as e:  # a rule that half-matches raises; try the next one
@@ -132,12 +181,14 @@ def schedule_module(
             chosen = rule_name
             break
         kernels[name] = chosen or "unscheduled"
+        if is_quant_matmul(func):
+            quant[name] = {"rule": kernels[name], "role": role}
         families.setdefault(_family(name), Counter())[kernels[name]] += 1
         if chosen == "Matmul":
             if _TENSOR_CORE_CALLS.search(updated[gv].script()):
                 tensor_core.append(name)
             elif tensor_cores:
-                reason = _no_tensor_core_reason(func)
+                reason = _no_tensor_core_reason(func, target)
                 fallbacks.append({"kernel": name, "reason": reason})
                 log.warning("matmul kernel %s is not on tensor cores: %s", name, reason)
     for gv, func in updated.items():
@@ -147,6 +198,9 @@ def schedule_module(
         raise RuntimeError(f"no GPU schedule rule matched kernels {unscheduled}: {errors}")
     if report is not None:
         report["rules"] = dict(Counter(kernels.values()))
+        report["kernels"] = dict(sorted(kernels.items()))
+        # Every matmul over GGUF blocks, with its rule and whether decode or prefill calls it.
+        report["quant_matmuls"] = dict(sorted(quant.items()))
         report["families"] = {f: dict(c) for f, c in sorted(families.items())}
         report["tensor_core"] = {
             "target_has_tensor_cores": tensor_cores,
