@@ -7,10 +7,11 @@ decode and prefill tok/s.
 The model has Qwen3-30B-A3B's proportions scaled down (`--hidden`, default 512: expert width
 0.375 x hidden, 16 experts, 2 per token, 4 layers, GQA 8/2 x 64, vocab 4096) and random
 weights (numpy, written as a Hugging Face folder, `--quant` optional). The breakdown comes
-from the Relax VM's profiler (`VirtualMachine(exec, dev, profile=True)`) on `batch_decode`
-of `--batch` sequences; kernels are grouped by name family (digits dropped) and the MoE
-kernels marked. Run the same script with another tallow checkout on PYTHONPATH (say one
-from before grouped experts) for a side-by-side figure: `--reuse-model` shares the weights.
+from timing every call of the Relax VM (`set_instrument`; TVM 0.27's VM has no
+`profile=True`) on `batch_decode` of `--batch` sequences; kernels are grouped by name
+family (digits dropped) and the MoE kernels marked. Run the same script with another
+tallow checkout on PYTHONPATH (say one from before grouped experts) for a side-by-side
+figure: `--reuse-model` shares the weights.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ MOE_KERNEL = re.compile(r"moe_|route|group")
 
 
 def kernel_breakdown(runner, batch: int, rounds: int) -> list[tuple[str, float, int]]:
-    """(kernel family, µs per step, calls per step) of `batch_decode`, by the VM profiler."""
+    """(kernel family, µs per step, calls per step) of `batch_decode`: a second VM on the
+    same library times every call it makes (`set_instrument`, before and after each call;
+    the CPU kernels run synchronously, the callback adds a few µs to each)."""
     import tvm
     import tvm_ffi
     from tvm.runtime import vm as tvm_vm
@@ -113,25 +116,37 @@ def kernel_breakdown(runner, batch: int, rounds: int) -> list[tuple[str, float, 
     from tallow.runtime.model_runner import _library_path
 
     lib = tvm_ffi.load_module(str(_library_path(runner.folder, runner.library)))
-    vm = tvm_vm.VirtualMachine(lib, runner.device, profile=True)
+    vm = tvm_vm.VirtualMachine(lib, runner.device)
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    started: list[float] = []
+
+    def instrument(func, symbol, before, ret, *args):
+        if before:
+            started.append(time.perf_counter())
+        else:
+            name = re.sub(r"\d+(?=_|$)", "", str(symbol))
+            totals[name] += (time.perf_counter() - started.pop()) * 1e6 / rounds
+            calls[name] += 1
+        return 0  # VMInstrumentReturnKind.NO_OP
+
     ids = list(range(100, 100 + batch))
     for s in ids:
         runner.add_sequence(s)
     runner.forward([(s, [5, 6, 7, 8]) for s in ids])
-    totals: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for _ in range(rounds):
+    shape = tvm.runtime.ShapeTuple
+    decode = vm["batch_decode"]
+    for r in range(rounds + 1):
+        if r == 1:  # the first step warms up, untimed
+            vm.set_instrument(instrument)
+            totals.clear()
+            calls.clear()
         tokens = np.full(batch, 9, np.int32)
         embeds = runner._funcs["embed"](tvm.runtime.tensor(tokens, runner.device), runner.params)
         embeds = embeds._create_view((batch, 1, runner.hidden_size))
-        shape = tvm.runtime.ShapeTuple
         runner._begin(runner.kv_cache, shape(ids), shape([1] * batch))
-        report = vm.profile("batch_decode", embeds, runner.kv_cache, runner.params)
+        decode(embeds, runner.kv_cache, runner.params)
         runner._end(runner.kv_cache)
-        for row in json.loads(report.json())["calls"]:
-            name = re.sub(r"\d+(?=_|$)", "", str(row["Name"]["string"]))
-            totals[name] += float(row["Duration (us)"]["microseconds"]) / rounds
-            calls[name] += 1
     for s in ids:
         runner.remove_sequence(s)
     rows = [(n, us, calls[n] // rounds) for n, us in totals.items()]
@@ -186,7 +201,7 @@ def main() -> None:
     kv = KVCacheConfig(max_batch_size=8, max_total_tokens=4096, prefill_chunk_size=256)
     runner = TVMModelRunner(artifact, kv=kv)
     print(f"compiled in {compile_s:.0f} s: {artifact}")
-    print(f"\nbatch_decode of {args.batch} sequences, per step (VM profiler, {args.rounds} rounds)")
+    print(f"\nbatch_decode of {args.batch} sequences, per step ({args.rounds} rounds)")
     rows = kernel_breakdown(runner, args.batch, args.rounds)
     total = sum(us for _, us, _ in rows)
     for name, us, n in rows[:14]:

@@ -16,7 +16,6 @@ Expert weights are stored stacked, one parameter per projection: `experts.gate_p
 
 from __future__ import annotations
 
-from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
@@ -31,25 +30,6 @@ EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
 def _is_gpu(target: Target | None) -> bool:
     return target is not None and target.kind.name != "llvm"
-
-
-def combine(rows: Tensor, slot: Tensor, weights: Tensor, top_k: int) -> Tensor:
-    """out[t] = sum_k weights[t, k] * rows[slot[t * top_k + k]]: each token's expert rows,
-    weighted by the router (in the rows' dtype, as transformers casts the weights)."""
-
-    def compute(y: te.Tensor, s: te.Tensor, w: te.Tensor):
-        tokens, hidden = w.shape[0], y.shape[1]
-
-        def value(t, h):
-            total = None
-            for k in range(top_k):
-                term = w[t, k].astype(y.dtype) * y[s[t * top_k + k], h]
-                total = term if total is None else total + term
-            return total
-
-        return te.compute((tokens, hidden), value, name="moe_combine")
-
-    return op.tensor_expr_op(compute, name_hint="moe_combine", args=[rows, slot, weights])
 
 
 class MoEMLP(nn.Module):
@@ -84,7 +64,12 @@ class MoEMLP(nn.Module):
         self.experts = MoEExperts(e, h, w, dtype, types)
 
     def forward(self, x: Tensor) -> Tensor:
-        from tallow.schedules.moe import group_kernel, grouped_matmul_kernel, route_kernel
+        from tallow.schedules.moe import (
+            combine_kernel,
+            group_kernel,
+            grouped_matmul_kernel,
+            route_kernel,
+        )
 
         b, s, h = x.shape
         e, k, w = self.num_experts, self.top_k, self.width
@@ -118,7 +103,9 @@ class MoEMLP(nn.Module):
             )
             return op.tensor_ir_op(
                 kernel,
-                f"moe_{name}_{qtype}" if qtype != "none" else f"moe_{name}",
+                # kernels of one shape and format are one function (gate and up share it)
+                f"moe_grouped_{'in' if gather else 'out'}"
+                + (f"_{qtype}" if qtype != "none" else ""),
                 args=[inp, rows, indptr, active, getattr(self.experts, name)],
                 out=Tensor.placeholder([n, n_out], self.dtype),
             )
@@ -126,7 +113,12 @@ class MoEMLP(nn.Module):
         gate = grouped(tokens, "gate_proj", w, h, True)
         up = grouped(tokens, "up_proj", w, h, True)
         down = grouped(activation(gate, self.act) * up, "down_proj", h, w, False)
-        out = combine(down, slot, weights, k)
+        out = op.tensor_ir_op(
+            combine_kernel(h, k, self.dtype, self.gpu),
+            "moe_combine",
+            args=[down, slot, weights],
+            out=Tensor.placeholder([b * s, h], self.dtype),
+        )
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             out = out + op.sigmoid(self.shared_expert_gate(tokens)) * shared

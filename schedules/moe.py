@@ -13,6 +13,7 @@ A step's `T` tokens each pick `K` experts: `N = T * K` pairs.
   row), `slot` [N] (the sorted row of pair t * K + k) and `active` [E + 1] (active[0]
   experts have rows; their ids follow). O(N + E) on one thread: microseconds next to the
   matmuls.
+* `combine_kernel`: each token's k expert rows summed, weighted by the router.
 * `grouped_matmul_kernel`: `y[r, :] = x[rows[r]] @ W_e^T` (or `x[r]` for the down
   projection, whose input is already in sorted order) for the rows r of every active expert
   e, with W the stacked [E * n, k] weight, float or GGUF blocks (dequantized inside, never
@@ -345,3 +346,57 @@ def _grouped_gpu(experts, n_out, k_dim, w_cols, w_dtype, x_dtype, weight, x_at):
                                     y[lo + rt * ROWS + r, col] = T.Cast(x_dtype, acc[r])
 
     return grouped_gpu
+
+
+def combine_kernel(hidden: int, top_k: int, dtype: str, gpu: bool):
+    """out[t] = sum_k weights[t, k] * y[slot[t * top_k + k]]: each token's expert rows back,
+    weighted by the router (the weight cast to the rows' dtype first, as transformers does)."""
+    lanes = LANES if hidden % LANES == 0 else 1
+
+    def total(y, slot, w, t, col):
+        value = None
+        for k in range(top_k):
+            term = T.Cast(dtype, w[t, k]) * y[slot[t * top_k + k], col]
+            value = term if value is None else value + term
+        return value
+
+    if gpu:
+        threads = _chunk(hidden, 1, GPU_THREADS)
+
+        @T.prim_func(private=True, s_tir=True)
+        def combine_gpu(var_y: T.handle, var_slot: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr(_ATTRS)
+            n = T.int32()
+            m = T.int32()
+            y = T.match_buffer(var_y, (m, hidden), dtype)
+            slot = T.match_buffer(var_slot, (m,), "int32")
+            w = T.match_buffer(var_w, (n, top_k), "float32")
+            out = T.match_buffer(var_out, (n, hidden), dtype)
+            for t in T.thread_binding(n, "blockIdx.x"):
+                for c in T.thread_binding(threads, "threadIdx.x"):
+                    with T.sblock("combine"):
+                        T.reads()
+                        T.writes()
+                        for i in T.serial(hidden // threads):
+                            out[t, i * threads + c] = total(y, slot, w, t, i * threads + c)
+
+        return combine_gpu
+
+    @T.prim_func(private=True, s_tir=True)
+    def combine_cpu(var_y: T.handle, var_slot: T.handle, var_w: T.handle, var_out: T.handle):
+        T.func_attr(_ATTRS)
+        n = T.int32()
+        m = T.int32()
+        y = T.match_buffer(var_y, (m, hidden), dtype)
+        slot = T.match_buffer(var_slot, (m,), "int32")
+        w = T.match_buffer(var_w, (n, top_k), "float32")
+        out = T.match_buffer(var_out, (n, hidden), dtype)
+        for t in T.parallel(n):
+            with T.sblock("combine"):
+                T.reads()
+                T.writes()
+                for i in T.serial(hidden // lanes):
+                    for ln in T.vectorized(lanes):
+                        out[t, i * lanes + ln] = total(y, slot, w, t, i * lanes + ln)
+
+    return combine_cpu

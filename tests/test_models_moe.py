@@ -13,6 +13,7 @@ from gguf_models import LAYER_NAMES, write_gguf
 from test_parity import PROMPTS, run_parity, runner_for
 
 from tallow.compiler.pipeline import CompileOptions, compile_model
+from tallow.model_defs.moe import EXPERT_PARAMS
 from tallow.runtime.manifest import Manifest
 
 from tiny_models import load_hf
@@ -237,4 +238,53 @@ def test_moe_gguf_quantized_experts_match_dequantized_oracle(arch, tiny_model_di
         assert (info.quant, info.dtype) == (types[role], "uint8"), pname
     worst, scale, picks = run_parity(runner_for(artifact), load_hf(oracle_dir))
     assert worst <= 1e-5 * max(scale, 1.0), f"{arch}: max abs logit error {worst} of {scale}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+def test_moe_quant_mix_on_safetensors_matches_dequantized_oracle(tiny_model_dir, tmp_path):
+    """`--quant q4k_m` on a safetensors MoE: the per-expert tensors become one stacked
+    parameter per projection in the mix's type (ffn_down_exps is ffn_down: q6k in this
+    one-layer model's "more bits" layer), and the logits are transformers' on every weight
+    as `gguf` dequantizes its blocks."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    from tallow.compiler.quant import QUANT_FORMATS, quantize
+    from tallow.model_defs.registry import get_architecture
+
+    src = tiny_model_dir("qwen3_moe_wide")
+    artifact = compile_model(
+        CompileOptions(model=str(src), output=tmp_path / "a", quant="q4k_m", quiet=True)
+    )
+    params = {p.name: p for p in Manifest.read(artifact).params}
+    p = "model.layers.0.mlp.experts"
+    got = [(params[f"{p}.{n}"].quant, params[f"{p}.{n}"].dtype) for n in EXPERT_PARAMS]
+    assert got == [("q4k", "uint8"), ("q4k", "uint8"), ("q6k", "uint8")]
+    cfg = json.loads((src / "config.json").read_text())
+    arch = get_architecture(cfg)
+    sources = arch.hf_weight_map(arch.config_from_hf(cfg))
+    weights = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    # each parameter's source tensors; a fused one split into runs of one type
+    # (`P.runs.N.weight`, q/k in q4k beside v in q6k) takes its parts in order, by rows
+    pending = {n: list(s) for n, s in sources.items()}
+    for name, info in params.items():
+        fused = name.split(".runs.")[0] + ".weight" if ".runs." in name else name
+        parts, rows = [], 0
+        while rows < info.shape[0]:
+            parts.append(pending[fused].pop(0))
+            rows += weights[parts[-1]].shape[0]
+        if info.quant == "none":
+            continue
+        ggml = QUANT_FORMATS[info.quant].ggml_type
+        for s in parts:  # blocks never straddle rows: each source on its own
+            w = weights[s]
+            weights[s] = gguf.quants.dequantize(quantize(w, info.quant), ggml).reshape(w.shape)
+    oracle = tmp_path / "oracle"
+    oracle.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (oracle / f.name).write_bytes(f.read_bytes())
+    save_file(weights, oracle / "model.safetensors")
+    worst, scale, picks = run_parity(runner_for(artifact), load_hf(oracle))
+    assert worst <= 1e-5 * max(scale, 1.0), f"max abs logit error {worst} of {scale}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]

@@ -1,7 +1,8 @@
 """The grouped mixture-of-experts kernels (schedules/moe.py) on the CPU against numpy: the
 router's top k and its normalisation, the grouping of (token, slot) pairs by expert with
-experts nobody picked, and the grouped matmul over float and every GGUF block format's
-stacked experts, whose oracle is the `gguf` package's own dequantizer."""
+experts nobody picked, the grouped matmul over float and every GGUF block format's
+stacked experts (whose oracle is the `gguf` package's own dequantizer), and the weighted
+sum that brings each token's rows back."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 import tvm
 
 from tallow.compiler.quant import QUANT_FORMATS, quantize
-from tallow.schedules.moe import group_kernel, grouped_matmul_kernel, route_kernel
+from tallow.schedules.moe import (
+    combine_kernel,
+    group_kernel,
+    grouped_matmul_kernel,
+    route_kernel,
+)
 
 EXPERTS, TOP_K, TOKENS, K_DIM, N_OUT = 8, 2, 7, 256, 8
 # experts 5 and 7 are never picked; the others by different tokens
@@ -24,6 +30,7 @@ def kernels():
         "route_norm": route_kernel(EXPERTS, TOP_K, True, "float32", False),
         "route_raw": route_kernel(EXPERTS, TOP_K, False, "float32", False),
         "group": group_kernel(EXPERTS, TOP_K, False),
+        "combine": combine_kernel(N_OUT, TOP_K, "float32", False),
         "down_f32": grouped_matmul_kernel(
             EXPERTS, N_OUT, K_DIM, "none", "float32", "float32", False, False
         ),
@@ -130,3 +137,15 @@ def test_grouped_matmul_skips_experts_without_rows(kernels):
     w[5] = w[7] = 0
     want = _reference(h, w, ids, indptr, rows, gather=False)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+
+
+def test_combine_weights_each_tokens_rows(kernels):
+    rng = np.random.default_rng(3)
+    weights, ids, indptr, rows, slot, active = _grouping(kernels)
+    y = rng.standard_normal((TOKENS * TOP_K, N_OUT)).astype(np.float32)
+    (out,) = _run(kernels, "combine", y, slot, weights, outs=[((TOKENS, N_OUT), "float32")])
+    want = np.zeros((TOKENS, N_OUT), np.float32)
+    for t in range(TOKENS):
+        for k in range(TOP_K):
+            want[t] += weights[t, k] * y[slot[t * TOP_K + k]]
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
