@@ -11,7 +11,8 @@ from timing every call of the Relax VM (`set_instrument`; TVM 0.27's VM has no
 `profile=True`) on `batch_decode` of `--batch` sequences; kernels are grouped by name
 family (digits dropped) and the MoE kernels marked. Run the same script with another
 tallow checkout on PYTHONPATH (say one from before grouped experts) for a side-by-side
-figure: `--reuse-model` shares the weights.
+figure: `--reuse-model` shares the weights, and `--artifact A --baseline B` then measures
+the two artifacts in one process, taking turns (the runtime reads both).
 """
 
 from __future__ import annotations
@@ -153,30 +154,45 @@ def kernel_breakdown(runner, batch: int, rounds: int) -> list[tuple[str, float, 
     return sorted(rows, key=lambda r: -r[1])
 
 
-def throughput(runner, prompt: int, steps: int, rounds: int) -> tuple[float, float]:
-    """Median decode tok/s (one sequence) and prefill tok/s (`prompt` tokens, a new
-    sequence and new tokens every round)."""
+def throughput(runners: list, prompt: int, steps: int, rounds: int) -> list[tuple[float, float]]:
+    """Per runner, median decode tok/s (one sequence) and prefill tok/s (`prompt` tokens);
+    the runners take turns, round by round, and every round has a new prompt."""
     rng = np.random.default_rng(1)
-    decode, prefill = [], []
+    decode: list[list[float]] = [[] for _ in runners]
+    prefill: list[list[float]] = [[] for _ in runners]
     for r in range(rounds):
         toks = [int(t) for t in rng.integers(3, 290, size=prompt)]
-        runner.add_sequence(r)
-        t = time.perf_counter()
-        for start in range(0, prompt, runner.prefill_chunk_size):
-            runner.forward([(r, toks[start : start + runner.prefill_chunk_size])])
-        prefill.append(prompt / (time.perf_counter() - t))
-        t = time.perf_counter()
-        for _ in range(steps):
-            runner.forward([(r, [7])])
-        decode.append(steps / (time.perf_counter() - t))
-        runner.remove_sequence(r)
-    return statistics.median(decode), statistics.median(prefill)
+        for i, runner in enumerate(runners):
+            runner.add_sequence(r)
+            t = time.perf_counter()
+            for start in range(0, prompt, runner.prefill_chunk_size):
+                runner.forward([(r, toks[start : start + runner.prefill_chunk_size])])
+            prefill[i].append(prompt / (time.perf_counter() - t))
+            t = time.perf_counter()
+            for _ in range(steps):
+                runner.forward([(r, [7])])
+            decode[i].append(steps / (time.perf_counter() - t))
+            runner.remove_sequence(r)
+    median = statistics.median
+    return [(median(d), median(p)) for d, p in zip(decode, prefill, strict=True)]
+
+
+def print_breakdown(label: str, rows: list[tuple[str, float, int]]) -> None:
+    total = sum(us for _, us, _ in rows)
+    print(f"\n{label}")
+    for name, us, n in rows[:14]:
+        mark = " (MoE)" if MOE_KERNEL.search(name) else ""
+        print(f"  {us:9.1f} µs  {100 * us / total:5.1f}%  x{n:<3d} {name}{mark}")
+    moe = sum(us for name, us, _ in rows if MOE_KERNEL.search(name))
+    print(f"  {total:9.1f} µs in all; grouped-MoE kernels {moe:.1f} µs ({100 * moe / total:.0f}%)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reuse-model", type=Path, help="a folder of an earlier run's model")
+    ap.add_argument("--artifact", type=Path, help="measure this artifact, compile nothing")
+    ap.add_argument("--baseline", type=Path, help="an artifact measured interleaved with it")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
@@ -191,26 +207,26 @@ def main() -> None:
     from tallow.compiler.pipeline import CompileOptions, compile_model
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
-    model = (args.reuse_model or args.out) / "model"
-    if not (model / "config.json").is_file():
-        write_model(model, config(args.hidden, args.layers, args.experts, args.top_k))
-    t = time.perf_counter()
-    opts = CompileOptions(model=str(model), output=args.out / "artifact", quant=args.quant)
-    artifact = compile_model(dataclass_quiet(opts))
-    compile_s = time.perf_counter() - t
+    artifact = args.artifact
+    if artifact is None:
+        model = (args.reuse_model or args.out) / "model"
+        if not (model / "config.json").is_file():
+            write_model(model, config(args.hidden, args.layers, args.experts, args.top_k))
+        t = time.perf_counter()
+        opts = CompileOptions(model=str(model), output=args.out / "artifact", quant=args.quant)
+        artifact = compile_model(dataclass_quiet(opts))
+        print(f"compiled in {time.perf_counter() - t:.0f} s: {artifact}")
     kv = KVCacheConfig(max_batch_size=8, max_total_tokens=4096, prefill_chunk_size=256)
-    runner = TVMModelRunner(artifact, kv=kv)
-    print(f"compiled in {compile_s:.0f} s: {artifact}")
-    print(f"\nbatch_decode of {args.batch} sequences, per step ({args.rounds} rounds)")
-    rows = kernel_breakdown(runner, args.batch, args.rounds)
-    total = sum(us for _, us, _ in rows)
-    for name, us, n in rows[:14]:
-        mark = " (MoE)" if MOE_KERNEL.search(name) else ""
-        print(f"  {us:9.1f} µs  {100 * us / total:5.1f}%  x{n:<3d} {name}{mark}")
-    moe = sum(us for name, us, _ in rows if MOE_KERNEL.search(name))
-    print(f"  {total:9.1f} µs in all; MoE kernels {moe:.1f} µs ({100 * moe / total:.0f}%)")
-    decode, prefill = throughput(runner, args.prompt, args.steps, args.rounds)
-    print(f"\ndecode {decode:.1f} tok/s (1 sequence), prefill {prefill:.1f} tok/s ({args.prompt})")
+    named = [("this", artifact)] + ([("baseline", args.baseline)] if args.baseline else [])
+    runners = [TVMModelRunner(a, kv=kv) for _, a in named]
+    for (label, a), runner in zip(named, runners, strict=True):
+        rows = kernel_breakdown(runner, args.batch, args.rounds)
+        print_breakdown(f"{label} ({a.name}): batch_decode of {args.batch} sequences", rows)
+    print()
+    for (label, _), (decode, prefill) in zip(
+        named, throughput(runners, args.prompt, args.steps, args.rounds), strict=True
+    ):
+        print(f"{label}: decode {decode:.1f} tok/s (1 sequence), prefill {prefill:.1f} tok/s")
 
 
 def dataclass_quiet(opts):
