@@ -245,7 +245,9 @@ def test_moe_quant_mix_on_safetensors_matches_dequantized_oracle(tiny_model_dir,
     """`--quant q4k_m` on a safetensors MoE: the per-expert tensors become one stacked
     parameter per projection in the mix's type (ffn_down_exps is ffn_down: q6k in this
     one-layer model's "more bits" layer), and the logits are transformers' on every weight
-    as `gguf` dequantizes its blocks."""
+    as `gguf` dequantizes its blocks. Built for x86-64-v2: without AVX2 the dense quantized
+    projections keep float activations in decode too (the int8-activation kernels round
+    them, docs/cpu-kernels.md), so the comparison is exact up to float32 rounding."""
     import gguf
     from safetensors.numpy import load_file, save_file
 
@@ -254,7 +256,9 @@ def test_moe_quant_mix_on_safetensors_matches_dequantized_oracle(tiny_model_dir,
 
     src = tiny_model_dir("qwen3_moe_wide")
     artifact = compile_model(
-        CompileOptions(model=str(src), output=tmp_path / "a", quant="q4k_m", quiet=True)
+        CompileOptions(
+            model=str(src), output=tmp_path / "a", quant="q4k_m", cpu=["x86-64-v2"], quiet=True
+        )
     )
     params = {p.name: p for p in Manifest.read(artifact).params}
     p = "model.layers.0.mlp.experts"
