@@ -8,11 +8,11 @@ The model has Qwen3-30B-A3B's proportions scaled down (`--hidden`, default 512: 
 0.375 x hidden, 16 experts, 2 per token, 4 layers, GQA 8/2 x 64, vocab 4096) and random
 weights (numpy, written as a Hugging Face folder, `--quant` optional). The breakdown comes
 from timing every call of the Relax VM (`set_instrument`; TVM 0.27's VM has no
-`profile=True`) on `batch_decode` of `--batch` sequences; kernels are grouped by name
-family (digits dropped) and the MoE kernels marked. Run the same script with another
-tallow checkout on PYTHONPATH (say one from before grouped experts) for a side-by-side
-figure: `--reuse-model` shares the weights, and `--artifact A --baseline B` then measures
-the two artifacts in one process, taking turns (the runtime reads both).
+`profile=True`) on `batch_decode` of `--batch` sequences; the MoE kernels are marked.
+Run the same script with another tallow checkout on PYTHONPATH (say one from before
+grouped experts) for a side-by-side figure: `--reuse-model` shares the weights, and
+`--artifact A --baseline B` then measures the two artifacts in one process, taking turns
+(the runtime reads both).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ MOE_KERNEL = re.compile(r"moe_|route|group")
 
 
 def kernel_breakdown(runner, batch: int, rounds: int) -> list[tuple[str, float, int]]:
-    """(kernel family, µs per step, calls per step) of `batch_decode`: a second VM on the
+    """(kernel, µs per step, calls per step) of `batch_decode`: a second VM on the
     same library times every call it makes (`set_instrument`, before and after each call;
     the CPU kernels run synchronously, the callback adds a few µs to each)."""
     import tvm
@@ -126,7 +126,7 @@ def kernel_breakdown(runner, batch: int, rounds: int) -> list[tuple[str, float, 
         if before:
             started.append(time.perf_counter())
         else:
-            name = re.sub(r"\d+(?=_|$)", "", str(symbol))
+            name = str(symbol)
             totals[name] += (time.perf_counter() - started.pop()) * 1e6 / rounds
             calls[name] += 1
         return 0  # VMInstrumentReturnKind.NO_OP

@@ -48,7 +48,9 @@ _ATTRS = {"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}  # 8
 def route_kernel(experts: int, top_k: int, normalise: bool, dtype: str, gpu: bool):
     @T.macro
     def route_token(logits, w, ids, t, p, taken):
-        p[experts] = T.float32(NEG_INF)  # the running max, then the sum
+        # p[0:E] the probabilities; after them the max logit, the sum of exponentials,
+        # the picked experts' sum, the best probability of the current pick
+        p[experts] = T.float32(NEG_INF)
         for e in T.serial(experts):
             p[experts] = T.max(p[experts], T.Cast("float32", logits[t, e]))
         p[experts + 1] = T.float32(0)
