@@ -34,8 +34,13 @@ def routed_experts(hf, ids: list[int]) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
+    """Grouped experts: the prefill batch routes its tokens to different experts; each
+    decode step batches two tokens, so with Qwen's 8 or 6 experts (2 per token) some experts
+    get no rows in every step, and the grouped matmuls skip them."""
     hf = load_hf(tiny_model_dir(name))
     assert len(routed_experts(hf, PROMPTS[0] + PROMPTS[1])) >= 4  # tokens differ in routing
+    if name != "mixtral":
+        assert len(PROMPTS) * hf.config.num_experts_per_tok < hf.config.num_experts
     worst, _, picks = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
     assert worst <= 1e-4, f"{name}: max abs logit error {worst}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
