@@ -41,6 +41,9 @@ QUANTIZABLE = (
     "down_proj.weight",
     "lm_head.weight",
     "embed_tokens.weight",
+    "experts.gate_proj",  # a MoE layer's stacked experts (model_defs/moe.py)
+    "experts.up_proj",
+    "experts.down_proj",
 )
 
 
@@ -142,9 +145,11 @@ def make_plan(
     *,
     tied_output: bool | None = None,
     allow_requantize: bool = False,
+    num_experts: int = 0,
 ) -> QuantPlan:
     """`shape_of(src)` is a source tensor's shape, `source_type(src)` its GGUF type name
-    (a QUANT_FORMATS key) or "float"; `tied_output`: the config's tie_word_embeddings."""
+    (a QUANT_FORMATS key) or "float"; `tied_output`: the config's tie_word_embeddings;
+    `num_experts`: the config's experts per MoE layer (0: a dense model)."""
     check_quant_option(quant, dtype)
     targets = [p for p in weight_map if p.endswith(QUANTIZABLE)]
     if quant is None:
@@ -158,6 +163,6 @@ def make_plan(
     if quant in FLOAT_FORMATS:
         return QuantPlan(label=dtype)
     mix = find_mix(quant)
-    part_types = mix_part_types(mix, weight_map, shape_of, tied_output)
+    part_types = mix_part_types(mix, weight_map, shape_of, tied_output, num_experts)
     check_requantization(mix.name, weight_map, part_types, source_type, allow_requantize)
     return plan_from_part_types(mix.name, weight_map, part_types, source_type)

@@ -154,14 +154,20 @@ class DecoderLayer(nn.Module):
     and MLP between two norms; `post_attention_layernorm` then follows attention)."""
 
     def __init__(
-        self, config: DecoderConfig, dtype: str, prefix: str, quant: QuantTypes, layer_id: int
+        self,
+        config: DecoderConfig,
+        dtype: str,
+        prefix: str,
+        quant: QuantTypes,
+        layer_id: int,
+        target: Target | None = None,  # MoE layers build kernels for it
     ):
         dim, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_weight_offset
         self.input_layernorm = make_norm(dim, eps, offset, dtype)
         self.self_attn = Attention(config, dtype, f"{prefix}.self_attn", quant, layer_id)
         self.post_attention_layernorm = make_norm(dim, eps, offset, dtype)
         if config.is_moe_layer(layer_id):
-            self.mlp = MoEMLP(config, dtype, f"{prefix}.mlp", quant)
+            self.mlp = MoEMLP(config, dtype, f"{prefix}.mlp", quant, target)
         else:
             self.mlp = MLP(config, dtype, f"{prefix}.mlp", quant)
         self.sandwich = config.norm_placement == "sandwich"
@@ -180,7 +186,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: str, quant: QuantTypes, kv_dtype: str):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        dtype: str,
+        quant: QuantTypes,
+        kv_dtype: str,
+        target: Target | None = None,
+    ):
         self.kv_dtype = kv_dtype
         vocab, hidden = config.vocab_size, config.hidden_size
         embed_q = quant.get("model.embed_tokens.weight", "none")
@@ -190,7 +203,7 @@ class DecoderBody(nn.Module):
             self.embed_tokens = QuantEmbedding(vocab, hidden, embed_q, out_dtype=dtype)
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, dtype, f"model.layers.{i}", quant, i)
+                DecoderLayer(config, dtype, f"model.layers.{i}", quant, i, target)
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -231,7 +244,7 @@ class DecoderLM(nn.Module):
         self.kv_dtype = kv_dtype or dtype
         self.target = target
         self.task = task
-        self.model = DecoderBody(config, dtype, quant, self.kv_dtype)
+        self.model = DecoderBody(config, dtype, quant, self.kv_dtype, target)
         if task == "embed":
             self.lm_head = None  # never called: the embed task exports no logits
         elif not config.tie_word_embeddings:

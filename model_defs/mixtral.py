@@ -44,8 +44,8 @@ def mixtral_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
 
 def _hf_experts(config: DecoderConfig, i: int):
     p, n = f"model.layers.{i}.block_sparse_moe", range(config.num_experts)
-    gate_up = [f"{p}.experts.{e}.{w}.weight" for w in ("w1", "w3") for e in n]
-    return f"{p}.gate.weight", gate_up, [f"{p}.experts.{e}.w2.weight" for e in n]
+    stacks = ([f"{p}.experts.{e}.{w}.weight" for e in n] for w in ("w1", "w3", "w2"))
+    return (f"{p}.gate.weight", *stacks)
 
 
 class MixtralForCausalLM(DecoderLM):

@@ -78,8 +78,8 @@ def _qwen_moe_from_hf(cfg: dict[str, Any], **family: Any) -> DecoderConfig:
 
 def _hf_experts(config: DecoderConfig, i: int):
     p, n = f"model.layers.{i}.mlp", range(config.num_experts)
-    gate_up = [f"{p}.experts.{e}.{x}_proj.weight" for x in ("gate", "up") for e in n]
-    return f"{p}.gate.weight", gate_up, [f"{p}.experts.{e}.down_proj.weight" for e in n]
+    stacks = ([f"{p}.experts.{e}.{x}_proj.weight" for e in n] for x in ("gate", "up", "down"))
+    return (f"{p}.gate.weight", *stacks)
 
 
 def _hf_shared(config: DecoderConfig, i: int):

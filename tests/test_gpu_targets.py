@@ -151,6 +151,22 @@ def test_cuda_artifact(tiny_model_dir, tmp_path, sm):
 
 
 @pytest.mark.slow
+@needs_nvcc
+def test_cuda_moe_artifact(tiny_model_dir, tmp_path):
+    """The grouped-expert kernels (routing, grouping, grouped matmuls) come scheduled for
+    the GPU and build to sm_90 SASS beside dlight's kernels (Qwen2-MoE: shared expert too)."""
+    from tallow.compiler.cuda_build import fatbin_entries
+
+    folder = _compile(tiny_model_dir("qwen2_moe"), tmp_path, "cuda", [90])
+    (lib,) = Manifest.read(folder).libraries
+    kernels = lib.details["schedules"]["families"]
+    moe = {k: v for k, v in kernels.items() if k.startswith("moe_")}
+    assert {"moe_route", "moe_group", "moe_grouped_in", "moe_grouped_out"} <= set(moe), kernels
+    assert all(set(v) == {"prescheduled"} for v in moe.values()), moe
+    assert sorted(fatbin_entries(folder / lib.file)) == [("sass", 90)]
+
+
+@pytest.mark.slow
 def test_metal_artifact(tiny_model_dir, tmp_path):
     folder = _compile(tiny_model_dir("qwen3"), tmp_path, "metal")
     m = Manifest.read(folder)

@@ -13,6 +13,8 @@ from gguf_models import LAYER_NAMES, write_gguf
 from test_parity import PROMPTS, run_parity, runner_for
 
 from tallow.compiler.pipeline import CompileOptions, compile_model
+from tallow.model_defs.moe import EXPERT_PARAMS
+from tallow.runtime.manifest import Manifest
 
 from tiny_models import load_hf
 
@@ -32,8 +34,13 @@ def routed_experts(hf, ids: list[int]) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_logits_match_transformers_f32(name, tiny_model_dir, tiny_artifact):
+    """Grouped experts: the prefill batch routes its tokens to different experts; each
+    decode step batches two tokens, so with Qwen's 8 or 6 experts (2 per token) some experts
+    get no rows in every step, and the grouped matmuls skip them."""
     hf = load_hf(tiny_model_dir(name))
     assert len(routed_experts(hf, PROMPTS[0] + PROMPTS[1])) >= 4  # tokens differ in routing
+    if name != "mixtral":
+        assert len(PROMPTS) * hf.config.num_experts_per_tok < hf.config.num_experts
     worst, _, picks = run_parity(runner_for(tiny_artifact(name, "f32")), hf)
     assert worst <= 1e-4, f"{name}: max abs logit error {worst}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
@@ -128,4 +135,165 @@ def test_moe_gguf_matches_transformers(name, arch, tiny_model_dir, tmp_path):
     )
     worst, _, picks = run_parity(runner_for(artifact), load_hf(src))
     assert worst <= 1e-4, f"{name} GGUF: max abs logit error {worst}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+# Per family, the block type of each stacked expert tensor (and Qwen2-MoE's shared expert):
+# the ten GGUF formats between them, K-quants and legacy ones.
+QUANTIZED_EXPERTS = {
+    "qwen3moe": ("qwen3_moe_wide", {"gate": "q4k", "up": "q5_0", "down": "q6k"}),
+    "qwen2moe": ("qwen2_moe_wide", {"gate": "q2k", "up": "q8_0", "down": "q3k", "shexp": "q4_0"}),
+    "llama": ("mixtral_wide", {"gate": "q4_1", "up": "q5k", "down": "q5_1"}),
+}
+
+
+def _quantize_stacks(stacked: dict, types: dict) -> tuple[dict, dict]:
+    """The GGUF tensors with the expert stacks (and shared expert) in their block types, and
+    each tensor as gguf's own dequantizer reads it back (the oracle's weights)."""
+    import gguf
+    from gguf_models import quantized_tensor
+
+    written, oracle = {}, {}
+    for name, arr in stacked.items():
+        kind = name.split(".")[2]  # ffn_gate_exps, ffn_down_shexp, ffn_gate_inp, ...
+        role = kind.removeprefix("ffn_").split("_")[0]
+        qtype = types.get("shexp") if kind.endswith("_shexp") else types.get(role)
+        if kind.startswith("ffn_gate_inp") or qtype is None:
+            written[name] = oracle[name] = arr
+            continue
+        blocks, ggml_type = quantized_tensor(np.ascontiguousarray(arr, np.float32), qtype)
+        written[name] = (blocks, ggml_type)
+        oracle[name] = gguf.quants.dequantize(blocks, ggml_type).reshape(arr.shape)
+    return written, oracle
+
+
+def _unstack(oracle: dict, experts: int, arch: str) -> dict:
+    """`stack_experts` backwards: HF tensor names for the (dequantized) stacks."""
+    module, names = EXPERT_NAMES[arch]
+    out = {}
+    for name, arr in oracle.items():
+        _, layer, kind, _ = name.split(".")
+        p = f"model.layers.{layer}.{module}"
+        role = kind.removeprefix("ffn_").split("_")[0]
+        if kind.endswith("_exps"):
+            for e in range(experts):
+                out[f"{p}.experts.{e}.{names[role]}.weight"] = np.ascontiguousarray(arr[e])
+        elif kind == "ffn_gate_inp":
+            out[f"{p}.gate.weight"] = arr
+        elif kind == "ffn_gate_inp_shexp":
+            out[f"{p}.shared_expert_gate.weight"] = arr.reshape(1, -1)
+        else:
+            out[f"{p}.shared_expert.{role}_proj.weight"] = arr
+    return out
+
+
+@pytest.mark.parametrize("arch", list(QUANTIZED_EXPERTS))
+def test_moe_gguf_quantized_experts_match_dequantized_oracle(arch, tiny_model_dir, tmp_path):
+    """Stacked experts kept in their GGUF block types (three formats per family, ten in
+    all) give the logits of transformers running the weights as `gguf` dequantizes them;
+    the artifact stores the stacks as blocks (no float copy of any expert)."""
+    from safetensors.numpy import load_file, save_file
+
+    name, types = QUANTIZED_EXPERTS[arch]
+    src = tiny_model_dir(name)
+    cfg = json.loads((src / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    weights = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    stacked = stack_experts(weights, experts, arch)
+    written, oracle = _quantize_stacks(stacked, types)
+    # the oracle: the same folder with the experts as gguf dequantizes them
+    oracle_dir = tmp_path / "oracle"
+    oracle_dir.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (oracle_dir / f.name).write_bytes(f.read_bytes())
+    save_file({**weights, **_unstack(oracle, experts, arch)}, oracle_dir / "model.safetensors")
+
+    class Writer:  # quantized tensors go in with their raw GGML type
+        @staticmethod
+        def add(w, tensors):
+            for n, t in tensors.items():
+                if isinstance(t, tuple):
+                    w.add_tensor(n, t[0], raw_dtype=t[1])
+                else:
+                    w.add_tensor(n, t)
+
+    gguf_path = write_gguf(
+        src,
+        tmp_path / "moe.gguf",
+        arch,
+        permute_qk=arch == "llama",
+        skip=lambda n: n not in weights,
+        metadata_fn=lambda w, c: (
+            w.add_expert_count(experts),
+            w.add_expert_used_count(c["num_experts_per_tok"]),
+            w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or 0),
+            w.add_expert_shared_feed_forward_length(c.get("shared_expert_intermediate_size") or 0),
+            Writer.add(w, written),
+        ),
+        layer_names=LAYER_NAMES,
+    )
+    artifact = compile_model(
+        CompileOptions(model=str(gguf_path), output=tmp_path / "a", quiet=True)
+    )
+    stacks = {p.name: p for p in Manifest.read(artifact).params if ".experts." in p.name}
+    assert len(stacks) == 3
+    for pname, info in stacks.items():
+        role = pname.rsplit(".", 1)[1].removesuffix("_proj")
+        assert (info.quant, info.dtype) == (types[role], "uint8"), pname
+    worst, scale, picks = run_parity(runner_for(artifact), load_hf(oracle_dir))
+    assert worst <= 1e-5 * max(scale, 1.0), f"{arch}: max abs logit error {worst} of {scale}"
+    assert [o for o, _, _ in picks] == [r for _, r, _ in picks]
+
+
+def test_moe_quant_mix_on_safetensors_matches_dequantized_oracle(tiny_model_dir, tmp_path):
+    """`--quant q4k_m` on a safetensors MoE: the per-expert tensors become one stacked
+    parameter per projection in the mix's type (ffn_down_exps is ffn_down: q6k in this
+    one-layer model's "more bits" layer), and the logits are transformers' on every weight
+    as `gguf` dequantizes its blocks. Built for x86-64-v2: without AVX2 the dense quantized
+    projections keep float activations in decode too (the int8-activation kernels round
+    them, docs/cpu-kernels.md), so the comparison is exact up to float32 rounding."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    from tallow.compiler.quant import QUANT_FORMATS, quantize
+    from tallow.model_defs.registry import get_architecture
+
+    src = tiny_model_dir("qwen3_moe_wide")
+    artifact = compile_model(
+        CompileOptions(
+            model=str(src), output=tmp_path / "a", quant="q4k_m", cpu=["x86-64-v2"], quiet=True
+        )
+    )
+    params = {p.name: p for p in Manifest.read(artifact).params}
+    p = "model.layers.0.mlp.experts"
+    got = [(params[f"{p}.{n}"].quant, params[f"{p}.{n}"].dtype) for n in EXPERT_PARAMS]
+    assert got == [("q4k", "uint8"), ("q4k", "uint8"), ("q6k", "uint8")]
+    cfg = json.loads((src / "config.json").read_text())
+    arch = get_architecture(cfg)
+    sources = arch.hf_weight_map(arch.config_from_hf(cfg))
+    weights = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    # each parameter's source tensors; a fused one split into runs of one type
+    # (`P.runs.N.weight`, q/k in q4k beside v in q6k) takes its parts in order, by rows
+    pending = {n: list(s) for n, s in sources.items()}
+    for name, info in params.items():
+        fused = name.split(".runs.")[0] + ".weight" if ".runs." in name else name
+        parts, rows = [], 0
+        while rows < info.shape[0]:
+            parts.append(pending[fused].pop(0))
+            rows += weights[parts[-1]].shape[0]
+        if info.quant == "none":
+            continue
+        ggml = QUANT_FORMATS[info.quant].ggml_type
+        for s in parts:  # blocks never straddle rows: each source on its own
+            w = weights[s]
+            weights[s] = gguf.quants.dequantize(quantize(w, info.quant), ggml).reshape(w.shape)
+    oracle = tmp_path / "oracle"
+    oracle.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (oracle / f.name).write_bytes(f.read_bytes())
+    save_file(weights, oracle / "model.safetensors")
+    worst, scale, picks = run_parity(runner_for(artifact), load_hf(oracle))
+    assert worst <= 1e-5 * max(scale, 1.0), f"max abs logit error {worst} of {scale}"
     assert [o for o, _, _ in picks] == [r for _, r, _ in picks]

@@ -249,3 +249,81 @@ def test_allow_requantize_from_the_command_line(monkeypatch, q4_1_gguf, tmp_path
     plan = planned["plan"]
     assert plan.label == "q4_0" and set(plan.types.values()) == {"q4_0", "q8_0"}
     assert not plan.reused and list(out.iterdir()) == []  # the partial folder is gone
+
+
+def _moe_shapes(n_layer: int, experts: int) -> dict:
+    """A MoE model's GGUF tensors: attention, router, stacked experts [experts, rows, cols]."""
+    shapes = {"token_embd.weight": (320, 256), "output.weight": (320, 256)}
+    for i in range(n_layer):
+        b = f"blk.{i}"
+        shapes |= {f"{b}.attn_q.weight": (256, 256), f"{b}.attn_k.weight": (64, 256)}
+        shapes |= {f"{b}.attn_v.weight": (64, 256), f"{b}.attn_output.weight": (256, 256)}
+        shapes[f"{b}.ffn_gate_inp.weight"] = (experts, 256)
+        shapes[f"{b}.ffn_gate_exps.weight"] = (experts, 512, 256)
+        shapes[f"{b}.ffn_up_exps.weight"] = (experts, 512, 256)
+        shapes[f"{b}.ffn_down_exps.weight"] = (experts, 256, 512)
+    return shapes
+
+
+@pytest.mark.parametrize("experts", [8, 16])
+def test_expert_stacks_take_their_roles_rules(experts):
+    """llama.cpp (llama-quant.cpp) matches roles by name, so `ffn_down_exps` is ffn_down
+    (q6k in the "more bits" layers of Q4_K_M: 2 and 3 of 4); the router is never
+    quantized; an 8-expert model gets attn_v and attn_k in q8_0 and attn_output in q5k."""
+    got = find_mix("Q4_K_M").types(_moe_shapes(4, experts))
+    assert "blk.0.ffn_gate_inp.weight" not in got
+    for i in range(4):
+        b = f"blk.{i}"
+        assert got[f"{b}.ffn_gate_exps.weight"] == got[f"{b}.ffn_up_exps.weight"] == "q4k"
+        assert got[f"{b}.ffn_down_exps.weight"] == ("q6k" if i >= 2 else "q4k")
+        if experts == 8:
+            assert got[f"{b}.attn_v.weight"] == got[f"{b}.attn_k.weight"] == "q8_0"
+            assert got[f"{b}.attn_output.weight"] == "q5k"
+        else:
+            assert got[f"{b}.attn_v.weight"] == ("q6k" if i >= 2 else "q4k")
+            assert got[f"{b}.attn_k.weight"] == got[f"{b}.attn_output.weight"] == "q4k"
+    # Q3_K_L's own attn_output rule (q5k) does not apply to 8 experts (llama.cpp's order)
+    q3l = find_mix("Q3_K_L").types(_moe_shapes(4, 8))
+    assert q3l["blk.0.attn_output.weight"] == "q3k"
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_plan_quantizes_expert_stacks_from_either_source(source):
+    """One source tensor per expert (safetensors) or one stack (GGUF): the stacked
+    parameter gets one type, the stack's, with rows the block does not divide falling back."""
+    from tallow.model_defs.qwen_moe import qwen3_moe_from_hf
+    from tallow.model_defs.registry import get_architecture
+
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 320,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "intermediate_size": 96,
+        "tie_word_embeddings": False,
+    }
+    config = qwen3_moe_from_hf(cfg)
+    arch = get_architecture(cfg)
+    wmap = (arch.hf_weight_map if source == "hf" else arch.gguf_weight_map)(config)
+
+    def shape_of(name: str):
+        if "exps" in name:  # a GGUF stack, read as [experts * rows, cols]
+            return (8 * 96, 256) if "down" not in name else (8 * 256, 96)
+        if ".experts." in name:
+            return (96, 256) if "down" not in name else (256, 96)
+        return (256, 256)
+
+    plan = make_plan("q4k_m", "f32", wmap, shape_of, lambda _: "float", num_experts=8)
+    p = "model.layers.1.mlp.experts"
+    # gate/up rows of 256: q4k; down rows of 96: q4k's fallback q5_0, and in the "more
+    # bits" layer 1 of 2 q6k's fallback q8_0
+    assert plan.qtype(f"{p}.gate_proj") == plan.qtype(f"{p}.up_proj") == "q4k"
+    assert plan.qtype(f"{p}.down_proj") == "q8_0"
+    assert plan.qtype("model.layers.0.mlp.experts.down_proj") == "q5_0"
+    assert plan.qtype("model.layers.0.mlp.gate.weight") == FLOAT

@@ -15,12 +15,19 @@ for dense decoders, and `tests/data/llamacpp_mixes.json` (written by llama.cpp i
   fallback (llama.cpp's: q2k/q3k -> q4_0, q4k -> q5_0, q5k -> q5_1, q6k -> q8_0); when that
   does not divide it either the tensor stays float (llama.cpp writes F16 there).
 
+* Mixture of experts: a stacked expert tensor (`ffn_gate_exps`, 3-D [experts, rows, cols])
+  and a shared expert's (`ffn_down_shexp`) take the rules of their role (`ffn_gate`,
+  `ffn_down`), as llama.cpp matches roles by name; with exactly 8 experts (Mixtral) llama.cpp
+  gives `attn_v` and `attn_k` q8_0 and, in the q2k, q3k_s/m and q4k_s/m mixes,
+  `attn_output` q5k (no other attn_output rule then).
+
 `FORMAT:all` (e.g. `q4k:all`) puts every weight in one format: no head promotion, no rules.
-Left out: llama.cpp's branches for mixture-of-experts models (n_expert 4 or 8), Falcon, and
-the IQ/TQ ftypes, which tallow neither compiles nor stores.
+Left out: llama.cpp's branches for Falcon and the IQ/TQ/MXFP4 ftypes, which tallow neither
+compiles nor stores.
 
 Tensors are named as in GGUF files (`token_embd.weight`, `output.weight`,
-`blk.{i}.attn_q.weight`, ...), shapes in numpy order ([rows, cols]; GGUF's ne[0] is cols).
+`blk.{i}.attn_q.weight`, ...), shapes in numpy order ([rows, cols] or [experts, rows, cols];
+GGUF's ne[0] is cols).
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ from .registry import QUANT_FORMATS, get_format
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 _GLOBAL_ROLES = {"token_embd.weight": "token_embd", "output.weight": "output"}
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# stacked experts and a shared expert: the rules of the role their name starts with
+_ROLE_SUFFIXES = ("_exps", "_shexp")
+# ftypes whose attn_output takes q5k in an 8-expert model (llama.cpp's list, our ftypes)
+_MOE8_ATTN_OUTPUT_Q5K = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M")
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class ModelFacts:
     n_head: int
     n_head_kv: int
     tied_output: bool  # no output.weight: the token embedding is the head
+    n_expert: int = 1  # experts per MoE layer (the first axis of the stacked expert tensors)
 
     @property
     def n_gqa(self) -> int:
@@ -67,11 +79,13 @@ class ModelFacts:
         layers = [int(m[1]) for n in shapes if (m := _BLOCK_TENSOR.match(n))]
         q, k = shapes.get("blk.0.attn_q.weight"), shapes.get("blk.0.attn_k.weight")
         ratio = q[0] // k[0] if q and k and k[0] else 1
+        stacks = [int(s[0]) for n, s in shapes.items() if len(s) == 3 and "_exps." in n]
         return cls(
             n_layer=max(layers) + 1 if layers else 0,
             n_head=ratio,
             n_head_kv=1,
             tied_output="output.weight" not in shapes,
+            n_expert=max(stacks, default=1),
         )
 
 
@@ -116,7 +130,7 @@ class Mix:
         out = {}
         for name, shape in shapes.items():
             role, layer = tensor_role(name)
-            if role is None or len(shape) != 2:
+            if role is None or len(shape) not in (2, 3):
                 continue
             out[name] = _fitting(self._choose(role, layer, int(shape[-1]), facts), int(shape[-1]))
         return out
@@ -129,6 +143,10 @@ class Mix:
             if cols % get_format(self.base).block_size:
                 return "q8_0"
             return self.base if self.base == "q8_0" else "q6k"
+        if facts.n_expert == 8 and role in ("attn_v", "attn_k"):
+            return "q8_0"
+        if facts.n_expert == 8 and role == "attn_output":
+            return "q5k" if self.ftype in _MOE8_ATTN_OUTPUT_Q5K else self.base
         rule = self.rules.get(role)
         fmt = (rule(layer, facts) if rule else None) or self.base
         if role == "attn_v" and facts.is_70b and fmt in ("q3k", "q4k"):
@@ -141,9 +159,12 @@ def tensor_role(name: str) -> tuple[str | None, int]:
     if name in _GLOBAL_ROLES:
         return _GLOBAL_ROLES[name], -1
     m = _BLOCK_TENSOR.match(name)
-    if m and m[2] in ROLES:
-        return m[2], int(m[1])
-    return None, -1
+    if not m:
+        return None, -1
+    role = m[2]
+    for suffix in _ROLE_SUFFIXES:
+        role = role.removesuffix(suffix)
+    return (role, int(m[1])) if role in ROLES else (None, -1)
 
 
 def _fitting(fmt: str, cols: int) -> str:
