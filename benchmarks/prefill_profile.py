@@ -1,0 +1,99 @@
+"""Where a 500-token prefill's CPU time goes, per kernel, on a GGUF file.
+
+    .venv/bin/python benchmarks/prefill_profile.py --gguf FILE [--artifact DIR] [--rounds 5]
+
+Compiles the file (or reuses `--artifact`), times `batch_prefill` of a fresh 500-token prompt
+per round (a new sequence each time: the prefix cache plays no part here), best and median,
+then runs one prefill through TVM's profiling VM and prints the kernels' total ms, grouped by
+name, largest first (the profiler's own overhead stretches the total a little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_TOKENS = 500
+
+
+def compile_artifact(gguf: Path, out: Path) -> Path:
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+
+    t = time.perf_counter()
+    art = compile_model(CompileOptions(model=str(gguf), output=out, quiet=True))
+    print(f"compile: {time.perf_counter() - t:.0f} s")
+    return Path(art)
+
+
+def kernel_table(runner, prompt: list[int], top: int) -> None:
+    """One prefill with the VM's instrument hook timing every call: ms per kernel name."""
+    seq = 10_000
+    totals: dict[str, list[float]] = {}
+    started: list[float] = []
+
+    def instrument(func, name, before, ret, *args):
+        if before:
+            started.append(time.perf_counter())
+        else:
+            entry = totals.setdefault(str(name), [0.0, 0])
+            entry[0] += (time.perf_counter() - started.pop()) * 1000
+            entry[1] += 1
+        return 0
+
+    runner.vm.set_instrument(instrument)
+    runner.add_sequence(seq)
+    t = time.perf_counter()
+    try:
+        runner.forward([(seq, prompt)])
+    finally:
+        runner.remove_sequence(seq)
+    wall = (time.perf_counter() - t) * 1000
+    total = sum(v[0] for v in totals.values())
+    print(f"instrumented prefill: {wall:.0f} ms, {total:.0f} ms in timed calls")
+    for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{ms:9.2f} ms {count:5d} calls  {name}")
+
+
+def main() -> None:
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--artifact", type=Path, help="a compiled folder (compiled there if absent)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    art = args.artifact
+    if art is None or not any(art.glob("**/manifest.yaml")):
+        if args.gguf is None:
+            raise SystemExit("give --gguf (and --artifact to keep the compiled folder)")
+        art = compile_artifact(args.gguf, art or Path("prefill_profile_artifact"))
+    if not (art / "manifest.yaml").exists():  # compile_model writes a folder inside
+        (art,) = [p for p in art.iterdir() if (p / "manifest.yaml").exists()]
+    runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512), threads=args.threads)
+    rng = np.random.default_rng(0)
+    times, cpu = [], []
+    for i in range(args.rounds):
+        prompt = [int(t) for t in rng.integers(100, 20000, size=PROMPT_TOKENS)]
+        runner.add_sequence(i)
+        t, c = time.perf_counter(), time.process_time()
+        runner.forward([(i, prompt)])
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        runner.remove_sequence(i)
+    best, med = min(times), statistics.median(times)
+    print(
+        f"prefill {PROMPT_TOKENS} tokens, {args.threads} threads: best {best * 1000:.0f} ms "
+        f"({PROMPT_TOKENS / best:.0f} tok/s), median {med * 1000:.0f} ms; "
+        f"process CPU time best {min(cpu) * 1000:.0f} ms (a loaded machine stretches wall time)"
+    )
+    kernel_table(runner, [int(t) for t in rng.integers(100, 20000, size=PROMPT_TOKENS)], args.top)
+
+
+if __name__ == "__main__":
+    main()
