@@ -1,11 +1,13 @@
 """Where a 500-token prefill's CPU time goes, per kernel, on a GGUF file.
 
     .venv/bin/python benchmarks/prefill_profile.py --gguf FILE [--artifact DIR] [--rounds 5]
+        [--llamacpp] [--threads 2]
 
 Compiles the file (or reuses `--artifact`), times `batch_prefill` of a fresh 500-token prompt
 per round (a new sequence each time: the prefix cache plays no part here), best and median,
 then runs one prefill through TVM's profiling VM and prints the kernels' total ms, grouped by
-name, largest first (the profiler's own overhead stretches the total a little).
+name, largest first (the profiler's own overhead stretches the total a little);
+`--llamacpp` adds llama.cpp's prefill of the same prompts, interleaved with tallow's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,33 @@ def kernel_table(runner, prompt: list[int], top: int) -> None:
         print(f"{ms:9.2f} ms {count:5d} calls  {name}")
 
 
+def side_by_side(runner, gguf: Path, threads: int, rounds: int) -> None:
+    """Prefill of a fresh 500-token prompt, tallow and llama.cpp interleaved (llama-cpp-python,
+    same thread count, its KV cache cleared each round): best of `rounds` each, and the ratio."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+    rng = np.random.default_rng(1)
+    ours, theirs = [], []
+    for i in range(rounds):
+        prompt = [int(t) for t in rng.integers(100, 20000, size=PROMPT_TOKENS)]
+        seq = 20_000 + i
+        runner.add_sequence(seq)
+        t = time.perf_counter()
+        runner.forward([(seq, prompt)])
+        ours.append(time.perf_counter() - t)
+        runner.remove_sequence(seq)
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        theirs.append(time.perf_counter() - t)
+    a, b = PROMPT_TOKENS / min(ours), PROMPT_TOKENS / min(theirs)
+    print(
+        f"side by side, {threads} threads, best of {rounds}: tallow {a:.0f} tok/s, "
+        f"llama.cpp {b:.0f} tok/s, ratio {a / b:.2f}"
+    )
+
+
 def main() -> None:
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
@@ -67,6 +96,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp on --gguf, interleaved")
+    ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     art = args.artifact
     if art is None or not any(art.glob("**/manifest.yaml")):
@@ -92,7 +123,11 @@ def main() -> None:
         f"({PROMPT_TOKENS / best:.0f} tok/s), median {med * 1000:.0f} ms; "
         f"process CPU time best {min(cpu) * 1000:.0f} ms (a loaded machine stretches wall time)"
     )
-    kernel_table(runner, [int(t) for t in rng.integers(100, 20000, size=PROMPT_TOKENS)], args.top)
+    if args.llamacpp:
+        side_by_side(runner, args.gguf, args.threads, args.rounds)
+    if not args.no_profile:
+        prompt = [int(t) for t in rng.integers(100, 20000, size=PROMPT_TOKENS)]
+        kernel_table(runner, prompt, args.top)
 
 
 if __name__ == "__main__":
