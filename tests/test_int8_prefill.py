@@ -19,6 +19,8 @@ from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
+SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")
+
 
 def _build(func):
     with TARGET:
@@ -35,7 +37,10 @@ def test_prefill_matches_numpy(qtype):
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=31)
     lib = _build(prefill_kernel(qtype, n, k))
-    decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    # the formats of a Q4_K_M mix: also bit for bit batch_decode's rows (a second compile)
+    decode = None
+    if qtype in SAME_AS_DECODE:
+        decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
     for tokens in (3, 37):
         x = _activations(tokens, k, seed=32 + tokens)
         out = tvm.runtime.empty((1, tokens, n), "float32")
@@ -46,9 +51,10 @@ def test_prefill_matches_numpy(qtype):
         assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} tokens: max err {err.max()}"
         float_ref = x.reshape(tokens, k).astype(np.float64) @ deq.T
         assert np.abs(got - float_ref).max() > 1e-3  # the rounding is really there
-        rows = tvm.runtime.empty((tokens, 1, n), "float32")
-        decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
-        np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
+        if decode is not None:
+            rows = tvm.runtime.empty((tokens, 1, n), "float32")
+            decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
+            np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
 
 
 class _Projections(nn.Module):
