@@ -117,6 +117,9 @@ def activation(x: Tensor, name: str) -> Tensor:
     raise ValueError(f"unknown activation {name!r}")  # config validation lists the supported
 
 
+ROPE_ANGLES_BLOCK = "rope_angles"  # the per-token cos/sin stage of `rope_in_graph`
+
+
 def softcap(x: Tensor, cap: float | None) -> Tensor:
     """cap * tanh(x / cap): Gemma 2's bound on logits."""
     if cap is None:
@@ -129,21 +132,30 @@ def rope_in_graph(x: Tensor, positions: Tensor, theta: float, factor: float) -> 
 
     Used when layers rotate differently (Gemma 3: base 10k on windowed layers, 1M with an
     optional linear `factor` on global ones); the frequencies are those of transformers'
-    default and linear RoPE, in float32.
+    default and linear RoPE, in float32. Two stages: each token's cos and sin per dimension
+    pair (block `ROPE_ANGLES_BLOCK`), then every head rotated with them; the CPU schedule
+    keeps the first at the token (`schedules/cpu/rules.py`), where one stage had called
+    libm's pow, cos and sin for every element of every head.
     """
 
     def compute(xt: te.Tensor, pt: te.Tensor) -> te.Tensor:
         d = int(xt.shape[-1])
         half = d // 2
 
-        def rotated(t, h, i):
+        def cos_sin(t, i):
             j = i % half
             expo = (j * 2).astype("float32") / tirx.const(d, "float32")
             inv_freq = tirx.const(1.0, "float32") / tirx.power(tirx.const(theta, "float32"), expo)
             angle = pt[t].astype("float32") / tirx.const(factor, "float32") * inv_freq
+            return tirx.if_then_else(i < half, tirx.cos(angle), tirx.sin(angle))
+
+        cs = te.compute((xt.shape[0], d), cos_sin, name=ROPE_ANGLES_BLOCK)
+
+        def rotated(t, h, i):
+            j = i % half
             other = tirx.if_then_else(i < half, -xt[t, h, i + half], xt[t, h, i - half])
-            value = xt[t, h, i].astype("float32") * tirx.cos(angle)
-            return (value + other.astype("float32") * tirx.sin(angle)).astype(xt.dtype)
+            value = xt[t, h, i].astype("float32") * cs[t, j]
+            return (value + other.astype("float32") * cs[t, half + j]).astype(xt.dtype)
 
         return te.compute(xt.shape, rotated, name="rope")
 

@@ -19,6 +19,17 @@ from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 
+
+def _float_prefill_levels() -> list[str] | None:
+    """CPU levels whose prefill keeps float activations, for the exact comparisons below:
+    with AVX-512 VNNI prefill rounds them to int8 (`int8_prefill_pass`, checked against
+    numpy in test_int8_prefill and end to end in test_gemma_real), so build the AVX2 level."""
+    from tallow.compiler.target import resolve_target
+    from tallow.schedules.cpu import int8_vnni
+
+    return ["x86-64-v3"] if int8_vnni.supported(resolve_target("cpu", "f32").tvm()) else None
+
+
 PROMPTS = [[5, 17, 40, 3, 99, 250, 7], [11, 12, 13, 200, 201, 66, 8, 9, 10, 120, 44]]
 
 
@@ -105,7 +116,11 @@ def test_quant_on_float_model(quant, tiny_model_dir, tmp_path):
     Its rows (64, 128) are not multiples of 256: q4k falls back to q5_0, q6k to q8_0, as
     llama.cpp does; q4k is the mix q4k_m (its head, last attn_v and ffn_down in q6k)."""
     src = tiny_model_dir("qwen2")
-    art = compile_model(CompileOptions(model=str(src), quant=quant, output=tmp_path, quiet=True))
+    art = compile_model(
+        CompileOptions(
+            model=str(src), quant=quant, output=tmp_path, quiet=True, cpu=_float_prefill_levels()
+        )
+    )
     m = manifest_of(art)
     mix = {"q4k": "q4k_m"}.get(quant, quant)
     assert m["quantization"] == mix and mix in art.name
@@ -158,14 +173,20 @@ SMOL_PROMPTS = [
 def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
     """The GGUF's own Q4_1/Q8_0 blocks, decoded in the fused kernels, against the same file
     dequantized to f32 at compile time: the same weights, so the same logits at every
-    position of a prompt and its continuation (prefill: float activations in both).
+    position of a prompt and its continuation (prefill: float activations in both; the
+    AVX2 level where this CPU has AVX-512 VNNI, `_float_prefill_levels`).
 
     The continuation is the native artifact's greedy decode, whose matmuls round the
     activations to int8 (the f32 artifact's keep them float): each of its tokens must be
     the f32 model's choice, or within a near-tie of it (an int8 rounding moves a logit by
     about 0.1; seen: one step of 48 with a 0.14 gap)."""
     native = compile_model(
-        CompileOptions(model=str(smollm2_gguf), output=tmp_path_factory.mktemp("n"), quiet=True)
+        CompileOptions(
+            model=str(smollm2_gguf),
+            output=tmp_path_factory.mktemp("n"),
+            quiet=True,
+            cpu=_float_prefill_levels(),
+        )
     )
     f32 = compile_model(
         CompileOptions(

@@ -41,6 +41,8 @@ class BuildReport:
     decode_activations: str | None = None  # CPU: int8_decode_pass.ACTIVATIONS or "float32"
     int8_decode_kernels: int | None = None  # CPU: decode matmuls given int8-activation kernels
     int8_decode_tiles: str | None = None  # CPU: "avx512-vnni" or "avx2"
+    prefill_activations: str | None = None  # CPU: int8_prefill_pass's ACTIVATIONS or "float32"
+    int8_prefill_kernels: int | None = None  # CPU: prefill matmuls given int8 kernels
     schedules: dict[str, Any] | None = None  # GPU: rule per kernel, families, tensor-core use
     cuda_graph: dict[str, Any] | None = None  # CUDA: what RewriteCUDAGraph captured
     # build

@@ -2,10 +2,13 @@
 build machine's own CPU), exported as one shared library (or a .tar of objects for a machine
 of another architecture, linked there at first load).
 
-Relax additions: SiLU with a polynomial exp in place of libm's (`fast_silu_pass.py`), on x86
+Relax additions: SiLU and GELU (tanh form) with a polynomial exp in place of libm's
+(`fast_silu_pass.py`, `fast_gelu_pass.py`), on x86
 CPUs with AVX2 the int8-activation kernels for decode's quantized matmuls
-(`int8_decode_pass.py`), and `tirx.noalias` on every kernel before code generation
-(`noalias_pass.py`). Kernels are scheduled by `schedules/cpu/rules.py`.
+(`int8_decode_pass.py`), with AVX-512 VNNI for prefill's too (`int8_prefill_pass.py`), and
+`tirx.noalias` on every kernel before code generation (`noalias_pass.py`). Kernels are
+scheduled by `schedules/cpu/rules.py`.
+
 """
 
 from __future__ import annotations
@@ -51,13 +54,17 @@ class CPUBackend(TargetBackend):
         return f"cpu {spec.cpu_level}"
 
     def passes_before_fusion(self, spec: TargetSpec, target) -> list:
+        from ..fast_gelu_pass import fast_gelu_tanh
         from ..fast_silu_pass import fast_silu
         from ..int8_decode_pass import int8_decode_kernels
+        from ..int8_prefill_pass import int8_prefill_kernels
 
-        passes = [fast_silu()]
+        passes = [fast_silu(), fast_gelu_tanh()]
         if self.has_int8_decode(target):
             vnni = self.has_avx512_vnni(target)
             passes.append(int8_decode_kernels(spec.report, vnni=vnni))
+            if vnni:
+                passes.append(int8_prefill_kernels(spec.report))
         return passes
 
     def schedule_pass(self, spec: TargetSpec, target):

@@ -1,0 +1,90 @@
+"""Int8-activation prefill kernels (schedules/cpu/int8_prefill.py, compiler/int8_prefill_pass.py).
+
+The oracle is the one of `test_int8_decode`: `gguf.quants.dequantize` of the weights times
+the activations rounded as `cpu.int8_ops` documents, in numpy float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from test_int8_decode import TARGET, _activations, _oracle, _weights, needs_vnni
+from tvm.relax.frontend import nn
+
+from tallow.compiler.int8_prefill_pass import int8_prefill_kernels
+from tallow.compiler.quant import QUANT_FORMATS
+from tallow.compiler.target import BuildReport
+from tallow.model_defs.quant_ops import QuantLinear
+from tallow.schedules.cpu import int8_gemv
+from tallow.schedules.cpu.int8_prefill import prefill_kernel
+
+SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")
+
+
+def _build(func):
+    with TARGET:
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), TARGET)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_prefill_matches_numpy(qtype):
+    """Every format, `[1, tokens, K]`: token counts below one 16-row tile, a whole one plus a
+    rest (37 = 2 x 16 + 5), and 64 output columns (four parallel blocks); each token row is
+    the product of its rounded activations, so also equal to `batch_decode`'s kernel."""
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
+    n = 64
+    blocks, deq = _weights(qtype, n, k, seed=31)
+    lib = _build(prefill_kernel(qtype, n, k))
+    # the formats of a Q4_K_M mix: also bit for bit batch_decode's rows (a second compile)
+    decode = None
+    if qtype in SAME_AS_DECODE:
+        decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    for tokens in (3, 37):
+        x = _activations(tokens, k, seed=32 + tokens)
+        out = tvm.runtime.empty((1, tokens, n), "float32")
+        lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)
+        got = out.numpy().reshape(tokens, n)
+        ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq))
+        err = np.abs(got - ref)
+        assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} tokens: max err {err.max()}"
+        float_ref = x.reshape(tokens, k).astype(np.float64) @ deq.T
+        assert np.abs(got - float_ref).max() > 1e-3  # the rounding is really there
+        if decode is not None:
+            rows = tvm.runtime.empty((tokens, 1, n), "float32")
+            decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
+            np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
+
+
+class _Projections(nn.Module):
+    def __init__(self, k, n, qtype):
+        self.proj = QuantLinear(k, n, qtype)
+
+    def prefill(self, x):
+        return self.proj(x)
+
+    decode = batch_decode = rows = prefill
+
+
+def test_pass_replaces_prefill_kernels_only():
+    """`[1, s, K]` gets the int8 prefill kernel; decode shapes and a 2-D input keep theirs;
+    the report says which activations prefill uses."""
+    k, n, qtype = 256, 32, "q4k"
+    specs = {
+        "prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")},
+        "decode": {"x": nn.spec.Tensor([1, 1, k], "float32")},
+        "batch_decode": {"x": nn.spec.Tensor(["b", 1, k], "float32")},
+        "rows": {"x": nn.spec.Tensor(["m", k], "float32")},
+    }
+    mod, _ = _Projections(k, n, qtype).export_tvm(specs)
+    report = BuildReport()
+    out = int8_prefill_kernels(report)(mod)
+    int8 = [f for _, f in out.functions_items() if 'T.sblock("dot_vnni")' in f.script()]
+    floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
+    assert len(int8) == 1 and len(floats) == 3
+    assert int(int8[0].attrs["op_pattern"]) == 8
+    assert report.to_details() == {
+        "prefill_activations": "int8_g32_row_step",
+        "int8_prefill_kernels": 1,
+    }
