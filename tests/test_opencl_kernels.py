@@ -14,7 +14,6 @@ import re
 import gguf
 import numpy as np
 import pytest
-
 from opencl_runner import OpenCLKernels, cuda_scheduled, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -93,8 +92,10 @@ def _check_quant_matmuls(types):
                 err = np.abs(out - ref)
                 if not (err <= bound).all():  # NaN (a row never written) fails too
                     rule = report["families"]
-                    failures.append(f"{qtype} {function} rows={m} ({name}, {rule}): "
-                                    f"max err {np.nanmax(err)}, unwritten {np.isnan(out).sum()}")
+                    failures.append(
+                        f"{qtype} {function} rows={m} ({name}, {rule}): "
+                        f"max err {np.nanmax(err)}, unwritten {np.isnan(out).sum()}"
+                    )
     assert not failures, "\n".join(failures)
 
 
@@ -105,3 +106,89 @@ def test_quant_matmuls_on_opencl():
 @pytest.mark.slow
 def test_quant_matmuls_on_opencl_every_format():
     _check_quant_matmuls(SLOW_TYPES)
+
+
+# --- RMSNorm (Llama style, and Gemma's `1 + w` in float32) --------------------------------
+HIDDEN = 576  # SmolLM2's width: not a power of two
+
+
+class _Norms(nn.Module):
+    def __init__(self):
+        self.llama = make_norm(HIDDEN, 1e-5, 0.0, "float32")
+        self.gemma = make_norm(HIDDEN, 1e-6, 1.0, "float32")
+
+    def decode(self, x):
+        return self.llama(x), self.gemma(x)
+
+    def prefill(self, x):
+        return self.llama(x), self.gemma(x)
+
+
+def test_rms_norms_on_opencl():
+    mod, _ = _Norms().export_tvm(
+        {
+            "decode": {"x": nn.spec.Tensor(["b", 1, HIDDEN], "float32")},
+            "prefill": {"x": nn.spec.Tensor([1, "s", HIDDEN], "float32")},
+        }
+    )
+    scheduled, report = cuda_scheduled(mod)
+    assert set(report["rules"]) == {"Reduction"}, report["rules"]
+    kernels = OpenCLKernels(_prim_funcs(scheduled))
+    rng = np.random.default_rng(1)
+    for norm, eps, offset, out_name in (
+        ("llama", 1e-5, 0.0, "T_cast"),
+        ("gemma", 1e-6, 1.0, "rms_norm_offset"),
+    ):
+        w = rng.standard_normal(HIDDEN).astype(np.float32) * 0.2
+        for function in ("decode", "prefill"):
+            called = re.findall(r"call_tir\((?:cls\.)?(\w+),", scheduled[function].script())
+            (name,) = [
+                n
+                for n in called
+                if n.startswith("rms_norm_offset" if offset else "rms_norm")
+                and (offset or not n.startswith("rms_norm_offset"))
+            ]
+            for rows in (1, 5, 33):
+                x = (rng.standard_normal((rows, HIDDEN)) * 3).astype(np.float32)
+                out = np.full_like(x, np.nan)
+                arrays = {"x": x, f"{norm}_weight": w, out_name: out}
+                kernels.run(name, arrays, {"b": rows, "s": rows})
+                x64 = x.astype(np.float64)
+                ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * (offset + w)
+                np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6, err_msg=f"{name} {rows}")
+
+
+# --- the GPU token sampler (schedules/gpu/sampling.py, scheduled by hand) ------------------
+@pytest.mark.slow  # PoCL's "repl" method compiles this kernel slowly (about a minute here)
+def test_gpu_sampler_on_opencl():
+    vocab = 1003  # four tokens per thread, the last thread's partly past the vocabulary
+    from tallow.runtime.model_runner_protocol import SamplingControls
+    from tallow.runtime.sampler import sample_controls
+    from tallow.schedules.gpu import sampling
+
+    # PoCL's default work-group method loses the greedy rows' token (opencl_runner.py)
+    kernels = OpenCLKernels(
+        {"sample": sampling.sample_kernel(vocab, vocab)}, pocl_work_group_method="repl"
+    )
+    width = sampling.workspace_width(vocab)
+    rng = np.random.default_rng(vocab)
+    n = 24
+    logits = (rng.standard_normal((n, vocab)) * rng.uniform(0.5, 6, (n, 1))).astype(np.float32)
+    logits[:, :5] = logits[:, 5:10]  # ties, also at the maximum
+    c = SamplingControls(
+        temperature=rng.choice([0.0, 0.5, 1.0, 1.7], n).astype(np.float32),
+        top_k=rng.choice([0, 1, 5, 40, vocab - 1, vocab], n).astype(np.int32),
+        top_p=rng.choice([1.0, 0.95, 0.5, 0.1], n).astype(np.float32),
+        min_p=rng.choice([0.0, 0.01, 0.2], n).astype(np.float32),
+        uniform=rng.random(n).astype(np.float32),
+    )
+    token = np.full(n, -1, np.int32)
+    arrays = {
+        "x": logits,
+        "controls": c.packed(),
+        "token": token,
+        "weights": np.zeros((n, width), np.float32),
+        "keys": np.zeros((n, width), np.int32),
+    }
+    kernels.run("sample", arrays, {"n": n})
+    np.testing.assert_array_equal(token, sample_controls(logits, c))
