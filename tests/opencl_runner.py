@@ -22,8 +22,6 @@ f16 scale out of GGUF bytes needs no f16 arithmetic: that reinterpretation is re
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 from dataclasses import dataclass
 
@@ -89,13 +87,7 @@ class Kernel:
 class OpenCLKernels:
     """The device kernels of scheduled PrimFuncs, built into one OpenCL program."""
 
-    def __init__(self, prim_funcs: dict, pocl_work_group_method: str | None = None):
-        """`pocl_work_group_method`: PoCL's `POCL_WORK_GROUP_METHOD` while these kernels are
-        compiled (PoCL compiles a kernel at its first launch). "repl" (work-item replication)
-        is needed where a block's barriers sit inside if/else branches: PoCL 3.1's default
-        ("loops") and "cbs" drop the GPU sampler's greedy-branch token write (all other rows
-        right); "repl" gives the host sampler's tokens, but compiles the quantized matmuls'
-        256-thread blocks for many minutes, hence per program."""
+    def __init__(self, prim_funcs: dict):
         import pyopencl as cl
         import tvm
         from tvm.tirx.build import codegen_build, split_host_device_mods
@@ -113,12 +105,10 @@ class OpenCLKernels:
             self.kernels[owner].append(_kernel(gv.name_hint, func))
         self.source = codegen_build(device_mod, target).inspect_source()
         self.device = next(d for p in cl.get_platforms() for d in p.get_devices())
-        self._method = pocl_work_group_method
+        self.context = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.context)
+        self.program = cl.Program(self.context, self._portable(self.source)).build()
         self._launchers: dict = {}
-        with self._work_group_method():
-            self.context = cl.Context([self.device])
-            self.queue = cl.CommandQueue(self.context)
-            self.program = cl.Program(self.context, self._portable(self.source)).build()
 
     def _portable(self, source: str) -> str:
         if "cl_khr_fp16" in self.device.extensions:
@@ -172,24 +162,9 @@ class OpenCLKernels:
     def _launch(self, name: str, glob: tuple, local: tuple, args: list) -> None:
         import pyopencl as cl
 
-        with self._work_group_method():
-            if name not in self._launchers:
-                self._launchers[name] = cl.Kernel(self.program, name)
-            self._launchers[name](self.queue, glob, local, *args)
-            self.queue.finish()  # compiled and run while the method is set
-
-    @contextlib.contextmanager
-    def _work_group_method(self):
-        saved = os.environ.get("POCL_WORK_GROUP_METHOD")
-        if self._method:
-            os.environ["POCL_WORK_GROUP_METHOD"] = self._method
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("POCL_WORK_GROUP_METHOD", None)
-            else:
-                os.environ["POCL_WORK_GROUP_METHOD"] = saved
+        if name not in self._launchers:
+            self._launchers[name] = cl.Kernel(self.program, name)
+        self._launchers[name](self.queue, glob, local, *args)
 
 
 def _kernel(name: str, func) -> Kernel:

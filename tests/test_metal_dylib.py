@@ -31,7 +31,7 @@ def _tool(*args) -> str:
     return subprocess.run(args, capture_output=True, text=True, check=True).stdout
 
 
-def test_metal_library_is_a_dylib_when_ld64_is_here(monkeypatch):
+def test_metal_library_is_a_dylib_when_ld64_is_here():
     spec = resolve_target("metal", "f16")
     if find_ld64() is None:
         pytest.skip("needs ld64.lld (Debian lld)")
