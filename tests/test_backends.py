@@ -18,6 +18,7 @@ from tallow.compiler.backends import (
     unregister_backend,
 )
 from tallow.compiler.backends.cpu import CPUBackend
+from tallow.compiler.macho_link import find_ld64
 from tallow.runtime.errors import TargetError
 from tallow.runtime.manifest import Manifest
 
@@ -68,7 +69,8 @@ def test_metal_resolution():
     spec = resolve_target("metal", "f32")
     assert spec.tvm_target == {"kind": "metal"}
     assert spec.host == {"kind": "llvm", "mtriple": "arm64-apple-macos"}
-    assert spec.suffix == "metal" and spec.library_name == "lib/metal-arm64.tar"
+    ext = ".dylib" if find_ld64() else ".tar"  # linked here by ld64.lld, else on the Mac
+    assert spec.suffix == "metal" and spec.library_name == f"lib/metal-arm64{ext}"
 
 
 @pytest.mark.parametrize(

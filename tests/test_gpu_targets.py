@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tallow.compiler.macho_link import find_ld64
 from tallow.compiler.target import resolve_target
 from tallow.runtime.errors import TargetError
 from tallow.runtime.manifest import Manifest
@@ -37,7 +38,8 @@ def test_cuda_target_spec():
 def test_metal_target_spec():
     spec = resolve_target("metal", "f16")
     assert spec.host == {"kind": "llvm", "mtriple": "arm64-apple-macos"}
-    assert spec.library_name == "lib/metal-arm64.tar"
+    ext = ".dylib" if find_ld64() else ".tar"  # linked here by ld64.lld, else on the Mac
+    assert spec.library_name == f"lib/metal-arm64{ext}"
 
 
 @pytest.mark.parametrize(
@@ -171,13 +173,19 @@ def test_metal_artifact(tiny_model_dir, tmp_path):
     folder = _compile(tiny_model_dir("qwen3"), tmp_path, "metal")
     m = Manifest.read(folder)
     (lib,) = m.libraries
-    assert lib.file == "lib/metal-arm64.tar" and lib.host["mtriple"] == "arm64-apple-macos"
+    assert lib.host["mtriple"] == "arm64-apple-macos"
     assert lib.details["shaders"] > 10 and lib.platform == "macos-arm64"
-    with tarfile.open(folder / lib.file) as tar:
-        objects = {i.name: tar.extractfile(i).read() for i in tar.getmembers() if i.isfile()}
-    assert objects and all(name.endswith(".o") for name in objects)
-    assert all(data[:8] == MACHO_ARM64 for data in objects.values())  # arm64 Mach-O objects
-    blob = b"".join(objects.values())
+    if find_ld64():  # linked here: one arm64 Mach-O dylib (tests/test_metal_dylib.py: its symbols)
+        assert lib.file == "lib/metal-arm64.dylib"
+        blob = (folder / lib.file).read_bytes()
+        assert blob[:8] == MACHO_ARM64 and int.from_bytes(blob[12:16], "little") == 6  # MH_DYLIB
+    else:
+        assert lib.file == "lib/metal-arm64.tar"
+        with tarfile.open(folder / lib.file) as tar:
+            objects = {i.name: tar.extractfile(i).read() for i in tar.getmembers() if i.isfile()}
+        assert objects and all(name.endswith(".o") for name in objects)
+        assert all(data[:8] == MACHO_ARM64 for data in objects.values())  # arm64 Mach-O objects
+        blob = b"".join(objects.values())
     assert b"metal" in blob and b"kernel void" in blob  # the shader module is packed inside
 
 

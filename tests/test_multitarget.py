@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tallow.cli.main import main
+from tallow.compiler.macho_link import find_ld64
 from tallow.runtime import cpu_features
 from tallow.runtime.errors import ArtifactError
 from tallow.runtime.library_select import choose_library
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.slow  # compiles the tiny model for three targets
 
 CPU_LIB = "lib/cpu-x86-64-v3.so"
 CUDA_LIB = "lib/cuda-sm_80-sm_90.so"
-METAL_LIB = "lib/metal-arm64.tar"
+# linked here into a dylib by ld64.lld (Debian lld); without it, objects the Mac links
+METAL_LIB = "lib/metal-arm64.dylib" if find_ld64() else "lib/metal-arm64.tar"
 PROMPT_IDS = [11, 12, 13, 200, 201, 66, 8, 9, 10, 120]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 

@@ -1,19 +1,34 @@
 """The Metal target: Apple GPUs, host code for arm64 macOS.
 
-The host code is exported as a .tar of objects because this (Linux) machine cannot link a
-macOS dylib; the Mac links it once at load time (docs/metal.md).
+The library is linked here, at compile time, into an arm64 `model.dylib` with LLVM's
+`ld64.lld` (`compiler/macho_link.py`), so a Mac needs only `pip install` to run it. When this
+machine has no `ld64.lld`, the objects ship as a .tar instead and the Mac links them once at
+load time with its own `clang` (the Xcode command line tools; docs/metal.md); the manifest's
+`host_format` and `linker` say which.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from tallow.runtime.errors import TargetError
 
+from ..macho_link import export_fcompile, find_ld64, ld64_version
 from .base import BuildReport, TargetSpec
 from .gpu import GPUBackend, count
 
-HOST_FORMAT = "tar of arm64 Mach-O objects, linked on the Mac at load"
+log = logging.getLogger(__name__)
+
+HOST_FORMAT_DYLIB = "arm64 Mach-O dylib, linked at compile time"
+HOST_FORMAT_TAR = "tar of arm64 Mach-O objects, linked on the Mac at load"
+NO_LINKER = "none: ld64.lld (Debian lld) was not found at compile time; the Mac links with clang"
+
+
+@dataclass
+class MetalBuildReport(BuildReport):
+    linker: str | None = None  # the linker that made the dylib, or why there is none
 
 
 class MetalBackend(GPUBackend):
@@ -27,11 +42,20 @@ class MetalBackend(GPUBackend):
         return "f16"  # Apple GPUs have no bf16 arithmetic in TVM's Metal codegen
 
     def make_spec(self, dtype: str, sms: list[int] | None, cpu: str | None = None) -> TargetSpec:
+        ld64 = find_ld64()
+        if ld64:
+            report = MetalBuildReport(host_format=HOST_FORMAT_DYLIB, linker=ld64_version(ld64))
+        else:
+            log.warning(
+                "metal: ld64.lld not found (install Debian lld); the library ships as "
+                "a .tar of objects that the Mac links with clang on first load"
+            )
+            report = MetalBuildReport(host_format=HOST_FORMAT_TAR, linker=NO_LINKER)
         return TargetSpec(
             self,
             tvm_target={"kind": "metal"},
             host={"kind": "llvm", "mtriple": "arm64-apple-macos"},
-            report=BuildReport(host_format=HOST_FORMAT),
+            report=report,
             platform="macos-arm64",
         )
 
@@ -39,7 +63,7 @@ class MetalBackend(GPUBackend):
         return "metal-arm64"
 
     def library_ext(self, spec: TargetSpec) -> str:
-        return ".tar"
+        return ".dylib" if spec.report.host_format == HOST_FORMAT_DYLIB else ".tar"
 
     def target_label(self, spec: TargetSpec) -> str:
         return "metal (Apple silicon)"
@@ -53,12 +77,17 @@ class MetalBackend(GPUBackend):
         target = spec.tvm()
         with target, self.pass_context(spec):
             executable = tvm.compile(mod, target, relax_pipeline=None)
-        # A .tar of the arm64 host objects plus the packed shader module: Linux cannot link
-        # a Mach-O dylib; the Mac links it once at load time (docs/metal.md).
         source = _shader_source(executable)
         spec.report.shaders = count(r"kernel void ", source)
         spec.report.tensor_core_in_source = "simdgroup_multiply_accumulate" in source
-        executable.export_library(str(path))
+        if path.suffix == ".dylib":
+            # The ld64 path was found when the spec was made; look again in case it went.
+            ld64 = find_ld64()
+            if ld64 is None:
+                raise TargetError("ld64.lld disappeared during the compile; run it again")
+            executable.export_library(str(path), fcompile=export_fcompile(ld64))
+        else:
+            executable.export_library(str(path))
 
 
 def _shader_source(executable) -> str:

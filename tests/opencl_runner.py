@@ -1,0 +1,220 @@
+"""Run GPU-scheduled TIR kernels on the CPU: OpenCL C from TVM, launched with pyopencl on PoCL.
+
+The kernels are scheduled exactly as a CUDA artifact's are (the CUDA backend's own schedule
+pass, under the CUDA target it compiles for), then lowered for an OpenCL target instead of
+CUDA. TVM's wheel has the OpenCL code generator (`target.build.opencl`) but not the OpenCL
+runtime, so this module launches each kernel itself:
+
+* the device kernels come from TVM's own lowering (`tvm.tirx.build`'s steps up to the code
+  generator), so each kernel's parameters (buffers by name, then symbolic sizes) and its
+  launch extents (`thread_extent` of `blockIdx.*` / `threadIdx.*`, expressions in those sizes)
+  are read from the lowered kernel, the same facts TVM's host code launches it with;
+* OpenCL's global size per axis is blocks x threads, the local size threads.
+
+What this checks: index arithmetic, bounds predicates, shared-memory tiling and barriers, and
+dequantization inside the schedule. What it cannot: CUDA-only lowering (warp shuffles: the
+reductions lower to shared memory here, since OpenCL is built with a warp size of 1; wmma /
+mma tensor-core intrinsics, which have no OpenCL spelling), and kernels that compute in f16
+when the OpenCL device lacks `cl_khr_fp16` (Debian's PoCL 3.1 CPU device does). Reading an
+f16 scale out of GGUF bytes needs no f16 arithmetic: that reinterpretation is rewritten to
+`vload_half`, core OpenCL, which converts the same bits to the same float.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+# The limits CUDA kernels are scheduled under (compiler/backends/cuda.py), so nothing the
+# schedule chose is rejected here; warp size 1: reductions lower to shared memory.
+OPENCL_TARGET = {
+    "kind": "opencl",
+    "max_threads_per_block": 1024,
+    "max_shared_memory_per_block": 49152,
+    "thread_warp_size": 1,
+}
+_VLOAD_HALF = r"vload_half(0, (half *)(&(\1)))"
+_AXES = {"x": 0, "y": 1, "z": 2}
+_FP16_PRAGMA = re.compile(r"#ifdef cl_khr_fp16\n.*?#endif\n", re.S)
+# f16 bits reinterpreted and converted at once: `convert_float(<bits as half>)`, or a
+# broadcast `convert_floatN((halfN)(<bits as half>, ...))`.
+_HALF = r"\(\*\(half \*\)\(&\((\w+)\)\)\)"
+_HALF_TO_FLOAT = re.compile(rf"convert_float\({_HALF}\)")
+_HALF_BROADCAST = re.compile(rf"convert_float(\d+)\(\(\(half\1\)\(({_HALF}(?:, {_HALF})*)\)\)\)")
+
+
+def unavailable() -> str | None:
+    """Why OpenCL kernels cannot run here (None when they can)."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return "needs PyPI pyopencl (test extras)"
+    try:
+        devices = [d for p in cl.get_platforms() for d in p.get_devices()]
+    except cl.Error as e:  # no ICD loader configuration / no platform
+        return f"no OpenCL platform (install Debian pocl-opencl-icd): {e}"
+    if not devices:
+        return "no OpenCL device (install Debian pocl-opencl-icd)"
+    return None
+
+
+def cuda_scheduled(mod, dtype: str = "f32", sm: int = 90):
+    """`mod` (Relax) fused and scheduled as the CUDA backend does for `--sm sm`; with the
+    backend's report (rule per kernel)."""
+    import tvm
+
+    from tallow.compiler.relax_pipeline import fusion_passes
+    from tallow.compiler.target import resolve_target
+
+    spec = resolve_target("cuda", dtype, [sm])
+    target = spec.tvm()
+    with target, spec.backend.pass_context(spec):
+        mod = tvm.transform.Sequential(fusion_passes())(mod)
+        mod = spec.backend.schedule_pass(spec, target)(mod)
+    return mod, spec.report.schedules
+
+
+@dataclass
+class Kernel:
+    name: str
+    buffers: list[tuple[str, str]]  # (buffer name, element dtype), in argument order
+    sizes: list  # the symbolic sizes (TIR vars: name, dtype), after the buffers
+    launch: dict[str, object]  # thread tag -> extent expression (in the sizes)
+
+
+class OpenCLKernels:
+    """The device kernels of scheduled PrimFuncs, built into one OpenCL program."""
+
+    def __init__(self, prim_funcs: dict):
+        import pyopencl as cl
+        import tvm
+        from tvm.tirx.build import codegen_build, split_host_device_mods
+
+        target = tvm.target.Target(OPENCL_TARGET, host="llvm")
+        funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs.items()}
+        mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule(funcs))
+        pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+        _, device_mods = split_host_device_mods(pipeline(mod))
+        (device_mod,) = device_mods.values()
+        device_mod = finalize_device()(device_mod)
+        self.kernels: dict[str, list[Kernel]] = {name: [] for name in funcs}
+        for gv, func in device_mod.functions_items():
+            owner = max((n for n in funcs if gv.name_hint.startswith(n + "_kernel")), key=len)
+            self.kernels[owner].append(_kernel(gv.name_hint, func))
+        self.source = codegen_build(device_mod, target).inspect_source()
+        self.device = next(d for p in cl.get_platforms() for d in p.get_devices())
+        self.context = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.context)
+        self.program = cl.Program(self.context, self._portable(self.source)).build()
+        self._launchers: dict = {}
+
+    def _portable(self, source: str) -> str:
+        if "cl_khr_fp16" in self.device.extensions:
+            return source
+        source = _FP16_PRAGMA.sub("", source)
+        source = _HALF_BROADCAST.sub(
+            lambda m: f"((float{m[1]})({re.sub(_HALF, _VLOAD_HALF, m[2])}))", source
+        )
+        source = _HALF_TO_FLOAT.sub(_VLOAD_HALF, source)
+        if re.search(r"\bhalf\d*\b(?! \*\)\(&)", source):
+            raise RuntimeError(
+                f"these kernels compute in f16, and the OpenCL device {self.device.name!r} "
+                "has no cl_khr_fp16"
+            )
+        return source
+
+    def run(self, name: str, arrays: dict[str, np.ndarray], sizes: dict[str, int]) -> None:
+        """Launch PrimFunc `name`'s kernels in order on `arrays` (by buffer name; written back
+        in place) with the symbolic `sizes` (e.g. {"b": 3})."""
+        import pyopencl as cl
+
+        flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+        device = {
+            k: cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(v))
+            for k, v in arrays.items()
+        }
+        kernels = self.kernels[name]
+        if not kernels:
+            raise KeyError(f"{name} has no device kernel")
+        for k in sorted(kernels, key=lambda k: k.name):
+            args = []
+            for buf, dtype in k.buffers:
+                if buf not in arrays:
+                    raise KeyError(f"kernel {k.name} needs buffer {buf!r}; given {list(arrays)}")
+                if arrays[buf].dtype != np.dtype(dtype):
+                    raise TypeError(f"{buf}: {arrays[buf].dtype}, the kernel reads {dtype}")
+                args.append(device[buf])
+            args += [np.dtype(str(v.ty.dtype)).type(sizes[v.name]) for v in k.sizes]
+            local, groups = [1, 1, 1], [1, 1, 1]
+            for tag, extent in k.launch.items():
+                value = _evaluate(extent, {v: sizes[v.name] for v in k.sizes})
+                (local if tag.startswith("threadIdx") else groups)[_AXES[tag[-1]]] = value
+            if min(groups) == 0:
+                continue  # an empty grid (no rows): nothing to launch
+            glob = tuple(g * t for g, t in zip(groups, local, strict=True))
+            self._launch(k.name, glob, tuple(local), args)
+        for key, value in arrays.items():
+            cl.enqueue_copy(self.queue, value, device[key])
+        self.queue.finish()
+
+    def _launch(self, name: str, glob: tuple, local: tuple, args: list) -> None:
+        import pyopencl as cl
+
+        if name not in self._launchers:
+            self._launchers[name] = cl.Kernel(self.program, name)
+        self._launchers[name](self.queue, glob, local, *args)
+
+
+def _kernel(name: str, func) -> Kernel:
+    import tvm
+
+    buffers, sizes = [], []
+    for p in func.params:
+        if isinstance(p.ty, tvm.ir.PointerType):
+            # `q4_0.weight_ptr` -> `q4_0_weight`: a parameter's name, as Python spells it
+            buf = re.sub(r"\W", "_", re.sub(r"_ptr$", "", p.name))
+            buffers.append((buf, str(p.ty.element_type.dtype)))
+        else:
+            sizes.append(p)
+    launch: dict[str, object] = {}
+    for node in _statements(func.body):
+        if isinstance(node, tvm.tirx.AttrStmt) and node.attr_key == "thread_extent":
+            tag = node.node.thread_tag
+            if tag in launch and not tvm.ir.structural_equal(launch[tag], node.value):
+                raise ValueError(f"{name}: {tag} launched with two extents")
+            launch[tag] = node.value
+    return Kernel(name, buffers, sizes, launch)
+
+
+def _statements(stmt):
+    """Every statement under `stmt` (TVM 0.27 has no Python TIR visitor)."""
+    import tvm
+
+    stack = [stmt]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        yield node
+        if isinstance(node, tvm.tirx.SeqStmt):
+            stack.extend(node.seq)
+        for child in ("body", "then_case", "else_case"):
+            value = getattr(node, child, None)
+            if isinstance(value, tvm.tirx.Stmt):
+                stack.append(value)
+
+
+def _evaluate(expr, sizes: dict) -> int:
+    """A launch extent for the given values of the kernel's symbolic sizes (TIR vars)."""
+    import tvm
+    from tvm.sym import Analyzer
+
+    analyzer = Analyzer()
+    for var, value in sizes.items():
+        analyzer.bind(var, tvm.tirx.const(value, str(var.ty.dtype)))
+    value = analyzer.simplify(expr)
+    if not isinstance(value, tvm.tirx.IntImm):
+        raise ValueError(f"launch extent {expr} is not fixed by the sizes {sizes}")
+    return int(value)

@@ -1,0 +1,193 @@
+"""GPU-scheduled kernels run on the CPU: scheduled as for a CUDA artifact, emitted as OpenCL C
+and launched with pyopencl on PoCL (`tests/opencl_runner.py`; docs/gpu-artifacts.md).
+
+Oracles: the `gguf` dequantizers + numpy for the quantized matmuls (decode, batched decode and
+prefill shapes, tails that fill no whole tile), numpy for RMSNorm, the host sampler's numpy
+code for the GPU token sampler. Needs Debian pocl-opencl-icd + ocl-icd-libopencl1 and PyPI
+pyopencl; skips naming what is missing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+from opencl_runner import OpenCLKernels, cuda_scheduled, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+tvm = pytest.importorskip("tvm")
+
+from tvm.relax.frontend import nn  # noqa: E402
+
+from tallow.compiler.quant import QUANT_FORMATS, quantize  # noqa: E402
+from tallow.model_defs.parts import make_norm  # noqa: E402
+from tallow.model_defs.quant_ops import QuantLinear  # noqa: E402
+
+K, N = 512, 200  # N: no whole column tile of the GEMV / matmul schedules
+FAST_TYPES = ["q4_0", "q4k"]
+SLOW_TYPES = [t for t in QUANT_FORMATS if t not in FAST_TYPES]
+# The functions a decoder exports, with the row shapes each passes to a projection.
+SHAPES = {
+    "decode": [1, 1, K],
+    "batch_decode": ["b", 1, K],
+    "prefill": [1, "s", K],
+}
+ROWS = {"decode": [1], "batch_decode": [1, 3, 7], "prefill": [1, 5, 37]}
+
+
+def _prim_funcs(mod) -> dict:
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def _kernel_of(scheduled, qtype: str, function: str) -> str:
+    """The PrimFunc Relax function `function` calls for `qtype`'s projection."""
+    called = re.findall(r"call_tir\((?:cls\.)?(\w+),", scheduled[function].script())
+    (name,) = {n for n in called if n.startswith(f"quant_matmul_{qtype}")}
+    return name
+
+
+class _Projections(nn.Module):
+    """One QuantLinear per format, called by each of the decoder's three functions."""
+
+    def __init__(self, types):
+        self.types = list(types)
+        for qtype in types:
+            setattr(self, qtype, QuantLinear(K, N, qtype))
+
+
+for _function in SHAPES:
+    setattr(
+        _Projections,
+        _function,
+        lambda self, x: tuple(getattr(self, q)(x) for q in self.types),
+    )
+
+
+def _check_quant_matmuls(types):
+    mod, _ = _Projections(types).export_tvm(
+        {f: {"x": nn.spec.Tensor(shape, "float32")} for f, shape in SHAPES.items()}
+    )
+    scheduled, report = cuda_scheduled(mod)
+    kernels = OpenCLKernels(_prim_funcs(scheduled))
+    rng = np.random.default_rng(0)
+    failures = []
+    for qtype in types:
+        x_full = rng.standard_normal((N, K)).astype(np.float32) * 0.7 + 0.1
+        x_full[:, ::37] *= 4.0  # heavy tails: block scales and K-quant minimums exercised
+        blocks = quantize(x_full, qtype)
+        w = np.asarray(gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type))
+        w = w.reshape(N, K).astype(np.float64)
+        for function, rows in ROWS.items():
+            name = _kernel_of(scheduled, qtype, function)
+            for m in rows:
+                x = rng.standard_normal((m, K)).astype(np.float32)
+                out = np.full((m, N), np.nan, np.float32)
+                sizes = {"b": m, "s": m}
+                kernels.run(name, {"x": x, f"{qtype}_weight": blocks, "matmul": out}, sizes)
+                ref = x.astype(np.float64) @ w.T
+                bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-6
+                err = np.abs(out - ref)
+                if not (err <= bound).all():  # NaN (a row never written) fails too
+                    rule = report["families"]
+                    failures.append(
+                        f"{qtype} {function} rows={m} ({name}, {rule}): "
+                        f"max err {np.nanmax(err)}, unwritten {np.isnan(out).sum()}"
+                    )
+    assert not failures, "\n".join(failures)
+
+
+def test_quant_matmuls_on_opencl():
+    _check_quant_matmuls(FAST_TYPES)
+
+
+@pytest.mark.slow
+def test_quant_matmuls_on_opencl_every_format():
+    _check_quant_matmuls(SLOW_TYPES)
+
+
+# --- RMSNorm (Llama style, and Gemma's `1 + w` in float32) --------------------------------
+HIDDEN = 576  # SmolLM2's width: not a power of two
+
+
+class _Norms(nn.Module):
+    def __init__(self):
+        self.llama = make_norm(HIDDEN, 1e-5, 0.0, "float32")
+        self.gemma = make_norm(HIDDEN, 1e-6, 1.0, "float32")
+
+    def decode(self, x):
+        return self.llama(x), self.gemma(x)
+
+    def prefill(self, x):
+        return self.llama(x), self.gemma(x)
+
+
+def test_rms_norms_on_opencl():
+    mod, _ = _Norms().export_tvm(
+        {
+            "decode": {"x": nn.spec.Tensor(["b", 1, HIDDEN], "float32")},
+            "prefill": {"x": nn.spec.Tensor([1, "s", HIDDEN], "float32")},
+        }
+    )
+    scheduled, report = cuda_scheduled(mod)
+    assert set(report["rules"]) == {"Reduction"}, report["rules"]
+    kernels = OpenCLKernels(_prim_funcs(scheduled))
+    rng = np.random.default_rng(1)
+    for norm, eps, offset, out_name in (
+        ("llama", 1e-5, 0.0, "T_cast"),
+        ("gemma", 1e-6, 1.0, "rms_norm_offset"),
+    ):
+        w = rng.standard_normal(HIDDEN).astype(np.float32) * 0.2
+        for function in ("decode", "prefill"):
+            called = re.findall(r"call_tir\((?:cls\.)?(\w+),", scheduled[function].script())
+            (name,) = [
+                n
+                for n in called
+                if n.startswith("rms_norm_offset" if offset else "rms_norm")
+                and (offset or not n.startswith("rms_norm_offset"))
+            ]
+            for rows in (1, 5, 33):
+                x = (rng.standard_normal((rows, HIDDEN)) * 3).astype(np.float32)
+                out = np.full_like(x, np.nan)
+                arrays = {"x": x, f"{norm}_weight": w, out_name: out}
+                kernels.run(name, arrays, {"b": rows, "s": rows})
+                x64 = x.astype(np.float64)
+                ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * (offset + w)
+                np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6, err_msg=f"{name} {rows}")
+
+
+# --- the GPU token sampler (schedules/gpu/sampling.py, scheduled by hand) ------------------
+@pytest.mark.parametrize("vocab", [1003, pytest.param(4096, marks=pytest.mark.slow)])
+def test_gpu_sampler_on_opencl(vocab):
+    """Sampled rows only: PoCL 3.1 loses the greedy branch's token write (barriers inside a
+    uniform if/else; its "repl" work-group method gets it right but compiles this kernel for
+    minutes), so temperature 0 is not checked here (docs/gpu-artifacts.md)."""
+    from tallow.runtime.model_runner_protocol import SamplingControls
+    from tallow.runtime.sampler import sample_controls
+    from tallow.schedules.gpu import sampling
+
+    kernels = OpenCLKernels({"sample": sampling.sample_kernel(vocab, vocab)})
+    width = sampling.workspace_width(vocab)
+    rng = np.random.default_rng(vocab)
+    n = 24
+    logits = (rng.standard_normal((n, vocab)) * rng.uniform(0.5, 6, (n, 1))).astype(np.float32)
+    logits[:, :5] = logits[:, 5:10]  # ties, also at the maximum
+    c = SamplingControls(
+        temperature=rng.choice([0.5, 1.0, 1.7], n).astype(np.float32),
+        top_k=rng.choice([0, 1, 5, 40, vocab - 1, vocab], n).astype(np.int32),
+        top_p=rng.choice([1.0, 0.95, 0.5, 0.1], n).astype(np.float32),
+        min_p=rng.choice([0.0, 0.01, 0.2], n).astype(np.float32),
+        uniform=rng.random(n).astype(np.float32),
+    )
+    token = np.full(n, -1, np.int32)
+    arrays = {
+        "x": logits,
+        "controls": c.packed(),
+        "token": token,
+        "weights": np.zeros((n, width), np.float32),
+        "keys": np.zeros((n, width), np.int32),
+    }
+    kernels.run("sample", arrays, {"n": n})
+    np.testing.assert_array_equal(token, sample_controls(logits, c))
