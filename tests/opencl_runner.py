@@ -95,8 +95,11 @@ class OpenCLKernels:
         target = tvm.target.Target(OPENCL_TARGET, host="llvm")
         funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs.items()}
         mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule(funcs))
+        from tallow.compiler.backends.gpu import GPU_TIR_CONFIG
+
         pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
-        _, device_mods = split_host_device_mods(pipeline(mod))
+        with tvm.transform.PassContext(config=GPU_TIR_CONFIG):  # as the GPU builds lower
+            _, device_mods = split_host_device_mods(pipeline(mod))
         (device_mod,) = device_mods.values()
         device_mod = finalize_device()(device_mod)
         self.kernels: dict[str, list[Kernel]] = {name: [] for name in funcs}
