@@ -76,19 +76,29 @@ def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.n
     return x if name.endswith(_F32) else x.astype(np.float16)
 
 
-def _smollm2_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
-    """SmolLM2's gpt2 BPE vocabulary, cut or padded (UNUSED tokens) to `vocab` entries."""
+Vocabulary = tuple[list[str], list[int], list[str]]  # gpt2 BPE: tokens, token types, merges
+
+
+def smollm2_vocabulary() -> Vocabulary:
+    """SmolLM2's gpt2 BPE vocabulary (49152 tokens), read from the embedded GGUF."""
     from tallow.compiler.default_model import default_model_path
 
     src = gguf.GGUFReader(default_model_path(check_hash=False))
-    tokens = list(_field(src, "tokenizer.ggml.tokens"))
-    types = list(_field(src, "tokenizer.ggml.token_type"))
-    merges = list(_field(src, "tokenizer.ggml.merges"))
-    if vocab < len(tokens):  # a tiny test shape: keep the merges whose pieces remain
-        tokens, types = tokens[:vocab], types[:vocab]
+    return tuple(
+        list(_field(src, f"tokenizer.ggml.{key}")) for key in ("tokens", "token_type", "merges")
+    )
+
+
+def _gpt2_tokenizer(writer: gguf.GGUFWriter, size: int, base: Vocabulary) -> None:
+    """A gpt2 BPE vocabulary of `size` entries: `base` cut, or padded with UNUSED tokens.
+
+    Token 0 is the unknown token, 1 BOS, 2 EOS and padding (SmolLM2's numbering)."""
+    tokens, types, merges = (list(x) for x in base)
+    if size < len(tokens):  # keep the merges whose pieces remain
+        tokens, types = tokens[:size], types[:size]
         kept = set(tokens)
         merges = [m for m in merges if {*m.split(" ", 1), m.replace(" ", "")} <= kept]
-    pad = vocab - len(tokens)
+    pad = size - len(tokens)
     tokens += [f"[PAD{i}]" for i in range(pad)]
     types += [_TYPE_UNUSED] * pad
     writer.add_tokenizer_model("gpt2")
@@ -127,7 +137,7 @@ def _dense_tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _dense_metadata(w: gguf.GGUFWriter, s: Shape, name: str) -> None:
+def _dense_metadata(w: gguf.GGUFWriter, s: Shape, name: str, vocabulary: Vocabulary) -> None:
     w.add_name(f"random {name}")
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -140,7 +150,7 @@ def _dense_metadata(w: gguf.GGUFWriter, s: Shape, name: str) -> None:
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(s.vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _smollm2_tokenizer(w, s.vocab)
+    _gpt2_tokenizer(w, s.vocab, vocabulary)
 
 
 _SKIP_KEYS = ("GGUF.", "general.file_type", "general.quantization_version")
@@ -156,8 +166,15 @@ def _copied_metadata(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 
-def write_f16(path: Path, name: str, shape: Shape | None = None, seed: int = 0) -> None:
-    """The float GGUF of `name` (or of `shape`, for a custom one), streamed tensor by tensor."""
+def write_f16(
+    path: Path,
+    name: str,
+    shape: Shape | None = None,
+    vocabulary: Vocabulary | None = None,
+    seed: int = 0,
+) -> None:
+    """The float GGUF of `name` (or of `shape`, for a custom one), streamed tensor by tensor;
+    a dense shape's tokenizer is `vocabulary` (default SmolLM2's) cut or padded to size."""
     shape = shape if shape is not None else SHAPES[name]
     if shape is None:
         src = gguf.GGUFReader(GEMMA_FILE)
@@ -169,7 +186,7 @@ def write_f16(path: Path, name: str, shape: Shape | None = None, seed: int = 0) 
     if shape is None:
         _copied_metadata(w, src)
     else:
-        _dense_metadata(w, shape, name)
+        _dense_metadata(w, shape, name, vocabulary or smollm2_vocabulary())
     for tname, tshape in tensors:
         f32 = tname.endswith(_F32)
         dtype = np.float32 if f32 else np.float16
