@@ -108,13 +108,16 @@ def test_decode_matches_numpy(target, h_kv, h_q, d, page, lanes):
         (3, 9, 64, 16, [300]),
         (1, 4, 256, 16, [0, 129, 5]),
         (2, 2, 32, 12, [33, 0]),
+        (8, 32, 64, 16, [70]),
     ],
-    ids=["smollm2-70", "smollm2-300", "gemma3-270m", "mha-page12"],
+    ids=["smollm2-70", "smollm2-300", "gemma3-270m", "mha-page12", "llama3.2-1b-one-seq"],
 )
 def test_decode_splits_few_sequences(target, h_kv, h_q, d, page, lengths, lanes):
     """Fewer work items than `MIN_ITEMS` (one SmolLM2 sequence: 3 KV heads): each
     sequence's pages in `SPLITS` parts, then merged by their log2-sum-exp (some parts empty:
-    a 5-token sequence has one page); an empty sequence still gives zeros and lse -5e4."""
+    a 5-token sequence has one page); an empty sequence still gives zeros and lse -5e4.
+    With `MIN_ITEMS` KV heads or more (Llama-3.2-1B, Mistral 7B, Qwen3-8B: 8) one sequence
+    runs whole: that kernel once failed to build (a division by a batch proven 0)."""
     _check_decode(target, h_kv, h_q, d, page, lanes, lengths)
 
 

@@ -446,7 +446,10 @@ def decode_kernel(
         k_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=T.int32())
         q_pos = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=T.int32())
 
-        if h_kv * B >= MIN_ITEMS:
+        # With MIN_ITEMS KV heads or more every batch has enough items: the split path is
+        # not emitted at all (inside `h_kv * B < MIN_ITEMS` the analyzer would conclude B = 0
+        # and refuse the path's `% B` as a division by zero: Llama-3.2-1B's 8 KV heads).
+        if h_kv >= MIN_ITEMS or h_kv * B >= MIN_ITEMS:
             whole_items(
                 Q, pages, indptr, values, last_page_len, output, lse, None, None, B, sm_scale,
                 q_pos, k_offset,
