@@ -13,13 +13,15 @@ host side of `forward`, the KV cache's begin/end and the VM's interpretation. Th
 step time is measured first with no hook, so the hook's own cost shows as the difference.
 
 Each of the `--batch` sequences is prefilled with its own random `--context`-token prompt
-(distinct KV pages, as in serving), then `--steps` decode steps are timed after two warm-up
-steps. `--prefill` also profiles one `--context`-token prefill of a fresh sequence.
+(distinct KV pages, as in serving; `--fork-context` forks one instead, quicker), then
+`--steps` decode steps are timed after two warm-up steps. `--prefill` also profiles one
+`--context`-token prefill of a fresh sequence.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,18 +33,25 @@ WARMUP_STEPS = 2
 
 
 class CallTimer:
-    """A Relax VM instrument: exclusive wall time and count per called function name."""
+    """A Relax VM instrument: exclusive wall time and count per called function name, and
+    which model weights each kernel reads (`weights`: data address -> name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: dict[int, str]) -> None:
         self.time: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.reads: dict[str, set[str]] = defaultdict(set)
+        self._weights = weights
         self._stack: list[list[float]] = []  # [start, time spent in nested calls]
 
     def __call__(self, func, name, before_run, ret_value, *args) -> int:
-        now = time.perf_counter()
         if before_run:
-            self._stack.append([now, 0.0])
+            for a in args:
+                weight = self._weights.get(getattr(a, "data_ptr", int)())
+                if weight:
+                    self.reads[str(name)].add(weight)
+            self._stack.append([time.perf_counter(), 0.0])  # the lookup above is not timed
             return 0
+        now = time.perf_counter()
         start, nested = self._stack.pop()
         spent = now - start
         self.time[str(name)] += spent - nested
@@ -69,7 +78,8 @@ def _table(timer: CallTimer, steps: int, step_s: float, plain_s: float, title: s
     for name, t in rows:
         t /= steps
         calls = timer.calls[name] / steps
-        lines.append(f"{t * 1e3:>9.3f} {100 * t / total:>6.1f} {calls:>6.0f}  {name}")
+        reads = f"  [{', '.join(sorted(timer.reads[name]))}]" if timer.reads[name] else ""
+        lines.append(f"{t * 1e3:>9.3f} {100 * t / total:>6.1f} {calls:>6.0f}  {name}{reads}")
     rest = total - inside
     lines.append(f"{rest * 1e3:>9.3f} {100 * rest / total:>6.1f} {'':>6}  (outside VM calls)")
     lines.append(f"{total * 1e3:>9.3f} {100.0:>6.1f} {'':>6}  total")
@@ -85,13 +95,27 @@ def _timed(runner, items, steps: int, timer: CallTimer | None, feed) -> float:
     return time.perf_counter() - t
 
 
-def profile(art: Path, batches: list[int], context: int, steps: int, prefill: bool, threads: int):
+def profile(
+    art: Path,
+    batches: list[int],
+    context: int,
+    steps: int,
+    prefill: bool,
+    threads: int,
+    fork: bool = False,
+):
     """(kind, table text) for the optional prefill, then each batch's decode step."""
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
     top = max(batches)
     pages = (context + WARMUP_STEPS + 2 * steps + 64) * (top + 1)
     runner = TVMModelRunner(art, kv=KVCacheConfig(top, pages, 512), threads=threads)
+    # weight names without the layer: "mlp.down_proj" for "model.layers.3.mlp.down_proj.weight"
+    names = [p.name for p in runner.manifest.params_for(runner.library)]
+    weights = {
+        t.data_ptr(): re.sub(r"^model\.(layers\.\d+\.)?|\.weight$", "", n)
+        for t, n in zip(runner.params, names, strict=True)
+    }
     rng = np.random.default_rng(0)
     note = bench_files.load_note()
     head = f"# {art.name}, {threads} threads, context {context}; {note} at start"
@@ -104,7 +128,7 @@ def profile(art: Path, batches: list[int], context: int, steps: int, prefill: bo
         return [(s, [int(np.argmax(row))]) for (s, _), row in zip(items, rows, strict=True)]
 
     if prefill:
-        timer = CallTimer()
+        timer = CallTimer(weights)
         runner.add_sequence(10_000)
         plain = _timed(runner, [(10_000, prompt())], 1, None, lambda _l, i: i)
         runner.remove_sequence(10_000)
@@ -116,15 +140,19 @@ def profile(art: Path, batches: list[int], context: int, steps: int, prefill: bo
     ready = 0
     for batch in sorted(batches):
         for seq in range(ready, batch):
-            runner.add_sequence(seq)
-            runner.forward([(seq, prompt())])
+            if fork and seq > 0:
+                runner.fork_sequence(0, seq, context)
+            else:
+                runner.add_sequence(seq)
+                runner.forward([(seq, prompt())])
         ready = max(ready, batch)
         items = [(s, [int(rng.integers(100, 20000))]) for s in range(batch)]
         _timed(runner, items, WARMUP_STEPS, None, next_tokens)
         plain = _timed(runner, items, steps, None, next_tokens)
-        timer = CallTimer()
+        timer = CallTimer(weights)
         hooked = _timed(runner, items, steps, timer, next_tokens)
-        title = f"{head}\n# decode step, batch {batch} ({bench_files.load_note()})"
+        shared = ", contexts forked from one prompt (shared KV pages)" if fork and batch > 1 else ""
+        title = f"{head}\n# decode step, batch {batch}{shared} ({bench_files.load_note()})"
         runner.vm.set_instrument(None)
         yield f"b{batch}", _table(timer, steps, hooked, plain, title)
 
@@ -147,6 +175,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", action="store_true", help="also profile a --context prefill")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--fork-context",
+        action="store_true",
+        help="one prefill forked to every sequence: faster setup, but attention then reads "
+        "shared (cache-warm) KV pages",
+    )
     ap.add_argument("--artifact-dir", type=Path, default=bench_files.DEFAULT_ARTIFACTS)
     ap.add_argument("--out-dir", type=Path, help="write profile-<name>-<b1|prefill500>.txt here")
     args = ap.parse_args()
@@ -154,7 +188,9 @@ def main() -> None:
     shapes = bench_files.expand([t for t in args.targets if t not in names])
     for spec in [*names, *shapes]:
         label, art = _target(spec, args.artifact_dir)
-        tables = profile(art, args.batch, args.context, args.steps, args.prefill, args.threads)
+        tables = profile(
+            art, args.batch, args.context, args.steps, args.prefill, args.threads, args.fork_context
+        )
         for kind, text in tables:
             print(text, flush=True)
             if args.out_dir:
