@@ -170,6 +170,7 @@ def _compiled_files(args) -> list[str]:
 def _print_ratios(artifacts: list[str], runs: dict, args) -> None:
     low, high = args.concurrency[0], args.concurrency[-1]
     print(f"\naggregate tok/s at {high} over {low} concurrent requests (medians, normal mode)")
+    print(f"{'artifact':<40} {f'{low} req':>8} {f'{high} req':>8} {'ratio':>6}")
     for artifact in artifacts:
         a, b = (
             statistics.median(r["tok_s"] for r in runs[(artifact, False, c)]) for c in (low, high)
