@@ -129,6 +129,7 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     does (`compiler.int8_decode_pass`); that step is checked as the other int8 tests check
     it, within the activation rounding of the f32 model's (≤ 5% of the largest logit)."""
     import gguf
+    from float_prefill import float_prefill_levels
     from gguf_models import write_gguf
 
     from tallow.compiler.pipeline import CompileOptions, compile_model
@@ -138,9 +139,12 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     path = write_gguf(
         tiny_model_dir("qwen2_wide"), tmp_path / "mixed.gguf", "qwen2", tensor_types=MIXED_TYPES
     )
-    art = compile_model(CompileOptions(model=str(path), output=tmp_path / "a", quiet=True))
+    levels = float_prefill_levels()  # exact prefill comparison: float activations in both
+    art = compile_model(
+        CompileOptions(model=str(path), output=tmp_path / "a", quiet=True, cpu=levels)
+    )
     f32 = compile_model(
-        CompileOptions(model=str(path), quant="f32", output=tmp_path / "f", quiet=True)
+        CompileOptions(model=str(path), quant="f32", output=tmp_path / "f", quiet=True, cpu=levels)
     )
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())
     params = {p["name"]: p for p in manifest["params"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
+from float_prefill import float_prefill_levels
 
 from tallow.cli.generate import encode_prompt
 from tallow.cli.main import main
@@ -18,16 +19,6 @@ from tallow.runtime.served_model import ServedModel
 from conftest_gguf import smollm2_gguf  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
-
-
-def _float_prefill_levels() -> list[str] | None:
-    """CPU levels whose prefill keeps float activations, for the exact comparisons below:
-    with AVX-512 VNNI prefill rounds them to int8 (`int8_prefill_pass`, checked against
-    numpy in test_int8_prefill and end to end in test_gemma_real), so build the AVX2 level."""
-    from tallow.compiler.target import resolve_target
-    from tallow.schedules.cpu import int8_vnni
-
-    return ["x86-64-v3"] if int8_vnni.supported(resolve_target("cpu", "f32").tvm()) else None
 
 
 PROMPTS = [[5, 17, 40, 3, 99, 250, 7], [11, 12, 13, 200, 201, 66, 8, 9, 10, 120, 44]]
@@ -118,7 +109,7 @@ def test_quant_on_float_model(quant, tiny_model_dir, tmp_path):
     src = tiny_model_dir("qwen2")
     art = compile_model(
         CompileOptions(
-            model=str(src), quant=quant, output=tmp_path, quiet=True, cpu=_float_prefill_levels()
+            model=str(src), quant=quant, output=tmp_path, quiet=True, cpu=float_prefill_levels()
         )
     )
     m = manifest_of(art)
@@ -174,7 +165,7 @@ def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa
     """The GGUF's own Q4_1/Q8_0 blocks, decoded in the fused kernels, against the same file
     dequantized to f32 at compile time: the same weights, so the same logits at every
     position of a prompt and its continuation (prefill: float activations in both; the
-    AVX2 level where this CPU has AVX-512 VNNI, `_float_prefill_levels`).
+    AVX2 level where this CPU has AVX-512 VNNI, `float_prefill_levels`).
 
     The continuation is the native artifact's greedy decode, whose matmuls round the
     activations to int8 (the f32 artifact's keep them float): each of its tokens must be
@@ -185,7 +176,7 @@ def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa
             model=str(smollm2_gguf),
             output=tmp_path_factory.mktemp("n"),
             quiet=True,
-            cpu=_float_prefill_levels(),
+            cpu=float_prefill_levels(),
         )
     )
     f32 = compile_model(
