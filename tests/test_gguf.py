@@ -168,9 +168,13 @@ def test_default_model_compiles_and_answers(tmp_path, capsys):
     (art,) = out.iterdir()
     assert art.name == "smollm2-135m-instruct-q4_1-cpu"
     capsys.readouterr()
-    argv = ["generate", str(art), "--chat", "--prompt", "What is the capital of France?"]
+    # The README's question. Not France: at these 4.5 bits, with prefill activations rounded
+    # to int8 as llama.cpp rounds them, SmolLM2 answers that one "L'Étoile, la Cité, ..."
+    # (llama.cpp on the same file: the same); Berlin comes from the f32 model, float and int8
+    # prefill, and llama.cpp alike.
+    argv = ["generate", str(art), "--chat", "--prompt", "What is the capital of Germany?"]
     assert main([*argv, "--max-tokens", "12"]) == 0
-    assert "Paris" in capsys.readouterr().out
+    assert "Berlin" in capsys.readouterr().out
 
 
 def test_default_model_hash_is_checked(monkeypatch, tmp_path, capsys, smollm2_gguf):  # noqa: F811
