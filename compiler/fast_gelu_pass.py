@@ -17,11 +17,11 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def fast_gelu_tanh():
-    import tvm
-    from tvm import relax, te, tirx
-    from tvm.relax.expr_functor import PyExprMutator, mutator
+    from tvm import te, tirx
 
     from tallow.schedules.tir_common import sigmoid
+
+    from .replace_op_pass import replace_float32_op
 
     def gelu_te(x: te.Tensor) -> te.Tensor:
         def value(*i):
@@ -31,23 +31,4 @@ def fast_gelu_tanh():
 
         return te.compute(x.shape, value, name="gelu_tanh")
 
-    gelu_op = tvm.ir.Op.get("relax.nn.gelu_tanh")
-
-    @mutator
-    class _Rewriter(PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            arg_type = getattr(call.args[0], "ty", None) if call.args else None
-            if call.op.same_as(gelu_op) and str(getattr(arg_type, "dtype", "")) == "float32":
-                return self.builder_.call_te(gelu_te, call.args[0], primfunc_name_hint="gelu_tanh")
-            return call
-
-    @tvm.transform.module_pass(opt_level=0, name="tallow.FastGeluTanh")
-    def _pass(mod, _ctx):
-        rewriter = _Rewriter(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
-
-    return _pass
+    return replace_float32_op("relax.nn.gelu_tanh", gelu_te, "gelu_tanh", "tallow.FastGeluTanh")
