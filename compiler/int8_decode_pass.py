@@ -54,6 +54,22 @@ def int8_kernel_for(func, vnni: bool = False):
     return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
 
 
+def substitute_kernels(mod, kernel_for) -> int:
+    """Put `kernel_for(func)` in place of every PrimFunc of `mod` it gives a kernel for (in
+    place; the int8 decode and prefill passes); returns how many were replaced."""
+    import tvm
+
+    updated = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            kernel = kernel_for(func)
+            if kernel is not None:
+                updated[gv] = kernel
+    for gv, kernel in updated.items():
+        mod[gv] = kernel
+    return len(updated)
+
+
 def int8_decode_kernels(report: BuildReport, vnni: bool = False):
     """The module pass; records the kernels it replaced in `report`. `vnni`: the target
     has AVX-512 VNNI (`schedules.cpu.int8_vnni.supported`)."""
@@ -63,22 +79,20 @@ def int8_decode_kernels(report: BuildReport, vnni: bool = False):
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8DecodeKernels")
     def _pass(mod, _ctx):
-        updated = {}
-        float_dtype = "float32"  # what decode's matmuls read when none is replaced
-        for gv, func in mod.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc):
-                kernel = int8_kernel_for(func, vnni)
-                if kernel is not None:
-                    updated[gv] = kernel
-                elif func.attrs and QUANT_TYPE_ATTR in func.attrs:
-                    float_dtype = str(func.params[0].dtype)  # f16/bf16 keep their floats
-        for gv, kernel in updated.items():
-            mod[gv] = kernel
-        report.decode_activations = ACTIVATIONS if updated else float_dtype
-        report.int8_decode_kernels = len(updated)
-        if updated:
+        float_dtype = next(  # what decode's matmuls read when none is replaced (f16/bf16 too)
+            (
+                str(f.params[0].dtype)
+                for _, f in mod.functions_items()
+                if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and QUANT_TYPE_ATTR in f.attrs
+            ),
+            "float32",
+        )
+        replaced = substitute_kernels(mod, lambda func: int8_kernel_for(func, vnni))
+        report.decode_activations = ACTIVATIONS if replaced else float_dtype
+        report.int8_decode_kernels = replaced
+        if replaced:
             report.int8_decode_tiles = "avx512-vnni" if vnni else "avx2"
-        log.info("int8-activation decode kernels: %d", len(updated))
+        log.info("int8-activation decode kernels: %d", replaced)
         return mod
 
     return _pass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .int8_decode_pass import ACTIVATIONS
+from .int8_decode_pass import ACTIVATIONS, substitute_kernels
 
 if TYPE_CHECKING:
     from .backends.base import BuildReport
@@ -34,17 +34,10 @@ def int8_prefill_kernels(report: BuildReport):
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8PrefillKernels")
     def _pass(mod, _ctx):
-        updated = {}
-        for gv, func in mod.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc):
-                kernel = prefill_kernel_for(func)
-                if kernel is not None:
-                    updated[gv] = kernel
-        for gv, kernel in updated.items():
-            mod[gv] = kernel
-        report.prefill_activations = ACTIVATIONS if updated else "float32"
-        report.int8_prefill_kernels = len(updated)
-        log.info("int8-activation prefill kernels: %d", len(updated))
+        replaced = substitute_kernels(mod, prefill_kernel_for)
+        report.prefill_activations = ACTIVATIONS if replaced else "float32"
+        report.int8_prefill_kernels = replaced
+        log.info("int8-activation prefill kernels: %d", replaced)
         return mod
 
     return _pass
