@@ -136,9 +136,11 @@ def _no_tensor_core_reason(func: tirx.PrimFunc, target) -> str:
     buffers = re.findall(r'T\.Buffer\(\((.*?)\), "(\w+)"\)', func.script())
     dtypes = {dtype for _, dtype in buffers}
     if target.kind.name == "metal" and {"float16", "float32"} <= dtypes:
+        if is_quant_matmul(func):  # simdgroup_f32.py's intrinsics were tried and did not fit
+            return "f16 x f16 -> f32 simdgroup tensorization did not match"
         return (
             "f16 operands with an f32 accumulator: TVM's Metal simdgroup intrinsics take one "
-            "dtype for both"
+            "dtype for both (ours, simdgroup_f32.py, are used for quantized matmuls only)"
         )
     if "float16" not in dtypes:
         return f"dtype {'/'.join(sorted(dtypes))}: dlight tensorizes fp16 (and int8) only"
