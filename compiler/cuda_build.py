@@ -126,7 +126,31 @@ def nvcc_fatbin(code: str, archs: list[int], record: dict | None = None) -> byte
     """Compile CUDA source to one fatbin holding SASS for every arch in `archs`.
 
     `record["ptxas"]` gets ptxas's verbose report (`-Xptxas -v`: registers, spills and
-    shared memory of every kernel for every arch), parsed by `ptxas_resources`."""
+    shared memory of every kernel for every arch), parsed by `ptxas_resources`. Kernels that
+    spill are compiled once more with an explicit minimum of blocks per SM
+    (`launch_bounds.py`); `record["spill_repair"]` then says which, with the spill bytes
+    before and the bound given, and `record["ptxas"]` is the report of the final build."""
+    from . import launch_bounds
+
+    data, report = _nvcc(code, archs)
+    before = launch_bounds.spilling(ptxas_resources(report))
+    if before:
+        blocks = launch_bounds.min_blocks(code, ptxas_resources(report), before)
+        code = launch_bounds.with_min_blocks(code, {k: b for k, (_, b) in blocks.items()})
+        data, report = _nvcc(code, archs)
+        if record is not None:
+            record["spill_repair"] = {
+                k: {"spill_stores_before": before[k], "threads": threads, "min_blocks_per_sm": b}
+                for k, (threads, b) in sorted(blocks.items())
+            }
+    if record is not None:
+        record["ptxas"] = report
+        record["cuda_source"] = code
+    return data
+
+
+def _nvcc(code: str, archs: list[int]) -> tuple[bytes, str]:
+    """(fatbin bytes, ptxas's -v report) of one nvcc run over `code`."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise TargetError("compiling for CUDA needs nvcc (the CUDA toolkit) on PATH")
@@ -151,11 +175,9 @@ def nvcc_fatbin(code: str, archs: list[int], record: dict | None = None) -> byte
         if proc.returncode != 0:
             raise TargetError(f"nvcc failed:\n{proc.stdout}{proc.stderr}"[-4000:])
         data = out.read_bytes()
-        if record is not None:
-            record["ptxas"] = proc.stdout + proc.stderr
     if not data:
         raise TargetError("nvcc produced an empty fatbin")
-    return data
+    return data, proc.stdout + proc.stderr
 
 
 @contextlib.contextmanager
@@ -169,8 +191,6 @@ def nvcc_callback(archs: list[int], record: dict | None = None):
 
     def compile_hook(code, *_target):
         calls.append(len(code))
-        if record is not None:
-            record["cuda_source"] = code
         return bytearray(nvcc_fatbin(code, archs, record))
 
     tvm_ffi.register_global_func(name, compile_hook, override=True)
@@ -212,7 +232,8 @@ def ptxas_resources(report: str) -> dict[str, dict[str, dict[str, int]]]:
 
 def kernels_with(source: str, pattern: str) -> list[str]:
     """Names of the `__global__` kernels in CUDA `source` whose body matches `pattern`."""
-    parts = re.split(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)
+    kernel = r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?(\w+)\('
+    parts = re.split(kernel, source)
     # parts: [preamble, name1, body1, name2, body2, ...]; a forward declaration of a kernel
     # makes an empty body followed by its definition under the same name.
     names = set()

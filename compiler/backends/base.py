@@ -52,8 +52,10 @@ class BuildReport:
     shaders: int | None = None  # Metal: kernel functions generated
     tensor_core_in_source: bool | None = None  # GPU: matrix-unit calls in the device code
     tensor_core_kernels: list[str] | None = None  # GPU: device kernels with matrix-unit calls
+    simdgroup_matrices: dict[str, Any] | None = None  # Metal: simdgroup dtypes per shader
     spills: dict[str, Any] | None = None  # CUDA: kernels whose registers spill, per arch
     kernel_resources: dict[str, Any] | None = None  # CUDA: `ptxas -v` per kernel and arch
+    spill_repair: dict[str, Any] | None = None  # CUDA: kernels rebuilt with min blocks per SM
 
     def to_details(self) -> dict[str, Any]:
         """The manifest's `target.details`: the set fields, in field order."""

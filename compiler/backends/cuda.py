@@ -141,6 +141,7 @@ class CUDABackend(GPUBackend):
             if any(r.get("spill_stores") for r in per_arch.values())
         }
         report.kernel_resources = resources
+        report.spill_repair = record.get("spill_repair", {})  # see compiler/launch_bounds.py
         executable.export_library(str(path))
 
 

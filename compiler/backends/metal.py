@@ -10,6 +10,7 @@ load time with its own `clang` (the Xcode command line tools; docs/metal.md); th
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class MetalBackend(GPUBackend):
         source = _shader_source(executable)
         spec.report.shaders = count(r"kernel void ", source)
         spec.report.tensor_core_in_source = "simdgroup_multiply_accumulate" in source
+        simd = simdgroup_matrices(source)
+        spec.report.tensor_core_kernels = sorted(simd)
+        spec.report.simdgroup_matrices = simd
         if path.suffix == ".dylib":
             # The ld64 path was found when the spec was made; look again in case it went.
             ld64 = find_ld64()
@@ -88,6 +92,29 @@ class MetalBackend(GPUBackend):
             executable.export_library(str(path), fcompile=export_fcompile(ld64))
         else:
             executable.export_library(str(path))
+
+
+_SHADER = re.compile(r"kernel void (\w+)\(")
+_SIMD_DECL = re.compile(r"simdgroup_(\w+?)8x8 (\w+)\[")
+_SIMD_MMA = re.compile(r"simdgroup_multiply_accumulate\((\w+)\[.*?\], (\w+)\[.*?\], (\w+)\[")
+
+
+def simdgroup_matrices(source: str) -> dict[str, dict[str, list[str]]]:
+    """{shader: {"accumulators": [...], "operands": [...]}} element types (`float`, `half`)
+    of the simdgroup matrices each `simdgroup_multiply_accumulate` of a shader writes and
+    reads, read from the generated Metal source: the evidence that a prefill matmul runs on
+    simdgroup matrices, and at which precision it accumulates."""
+    parts = _SHADER.split(source)
+    found = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        types = {var: dtype for dtype, var in _SIMD_DECL.findall(body)}
+        calls = _SIMD_MMA.findall(body)
+        if calls:
+            found[name] = {
+                "accumulators": sorted({types.get(d, "?") for d, _, _ in calls}),
+                "operands": sorted({types.get(v, "?") for _, a, b in calls for v in (a, b)}),
+            }
+    return found
 
 
 def _shader_source(executable) -> str:

@@ -6,6 +6,8 @@ Rule order matters (first match wins), as in MLC-LLM:
 * `Matmul` – prefill-sized matmuls. On CUDA sm_70+ with fp16 inputs and every static extent
   above 64 it tries `MatmulTensorization` (wmma tensor cores); on Metal `MetalMatmul`
   (simdgroup matrices). Otherwise a SIMT tiling.
+* `QuantPrefillMatmul` (ours, `quant_prefill.py`) – `Matmul` for matmuls over GGUF blocks,
+  shaped to stay within the registers (CUDA) and on simdgroup matrices (Metal).
 * `GEMV` / `LowBatchGEMV` – decode: one (or a few) rows times a weight matrix; memory
   bound, tensor cores would not help.
 * `QuantDecodeGEMV` (ours, `quant_gemv.py`) – decode matmuls over GGUF blocks with a static
@@ -74,14 +76,18 @@ def _import_tensor_intrinsics() -> None:
         inspect.getmodule = original
 
 
+# Rules that tile matmuls for prefill (tensor cores where the target has them).
+MATMUL_RULES = ("QuantPrefillMatmul", "Matmul")
+
 # Relax functions whose kernels are matrix-vector products (1 to 64 rows).
 DECODE_FUNCTIONS = ("decode", "batch_decode")
 
 
 def _rules(decode: bool):
     from .quant_gemv import QuantDecodeGEMV
+    from .quant_prefill import QuantPrefillMatmul
 
-    matmul = [("Matmul", dl.gpu.Matmul())]
+    matmul = [("QuantPrefillMatmul", QuantPrefillMatmul()), ("Matmul", dl.gpu.Matmul())]
     gemv = [
         ("QuantDecodeGEMV", QuantDecodeGEMV()),
         ("LowBatchGEMV", dl.gpu.LowBatchGEMV()),
@@ -130,9 +136,11 @@ def _no_tensor_core_reason(func: tirx.PrimFunc, target) -> str:
     buffers = re.findall(r'T\.Buffer\(\((.*?)\), "(\w+)"\)', func.script())
     dtypes = {dtype for _, dtype in buffers}
     if target.kind.name == "metal" and {"float16", "float32"} <= dtypes:
+        if is_quant_matmul(func):  # simdgroup_f32.py's intrinsics were tried and did not fit
+            return "f16 x f16 -> f32 simdgroup tensorization did not match"
         return (
             "f16 operands with an f32 accumulator: TVM's Metal simdgroup intrinsics take one "
-            "dtype for both"
+            "dtype for both (ours, simdgroup_f32.py, are used for quantized matmuls only)"
         )
     if "float16" not in dtypes:
         return f"dtype {'/'.join(sorted(dtypes))}: dlight tensorizes fp16 (and int8) only"
@@ -184,7 +192,7 @@ def schedule_module(
         if is_quant_matmul(func):
             quant[name] = {"rule": kernels[name], "role": role}
         families.setdefault(_family(name), Counter())[kernels[name]] += 1
-        if chosen == "Matmul":
+        if chosen in MATMUL_RULES:
             if _TENSOR_CORE_CALLS.search(updated[gv].script()):
                 tensor_core.append(name)
             elif tensor_cores:
