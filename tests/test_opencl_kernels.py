@@ -35,7 +35,7 @@ SHAPES = {
     "batch_decode": ["b", 1, K],
     "prefill": [1, "s", K],
 }
-ROWS = {"decode": [1], "batch_decode": [1, 3, 7], "prefill": [1, 5, 37]}
+ROWS = {"decode": [1], "batch_decode": [1, 3, 7, 16, 64], "prefill": [1, 5, 37]}
 
 
 def _prim_funcs(mod) -> dict:
@@ -66,9 +66,9 @@ for _function in SHAPES:
     )
 
 
-def _check_quant_matmuls(types):
+def _check_quant_matmuls(types, shapes=SHAPES, rows=ROWS):
     mod, _ = _Projections(types).export_tvm(
-        {f: {"x": nn.spec.Tensor(shape, "float32")} for f, shape in SHAPES.items()}
+        {f: {"x": nn.spec.Tensor(shape, "float32")} for f, shape in shapes.items()}
     )
     scheduled, report = cuda_scheduled(mod)
     kernels = OpenCLKernels(_prim_funcs(scheduled))
@@ -80,9 +80,9 @@ def _check_quant_matmuls(types):
         blocks = quantize(x_full, qtype)
         w = np.asarray(gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type))
         w = w.reshape(N, K).astype(np.float64)
-        for function, rows in ROWS.items():
+        for function, counts in rows.items():
             name = _kernel_of(scheduled, qtype, function)
-            for m in rows:
+            for m in counts:
                 x = rng.standard_normal((m, K)).astype(np.float32)
                 out = np.full((m, N), np.nan, np.float32)
                 sizes = {"b": m, "s": m}
@@ -101,6 +101,12 @@ def _check_quant_matmuls(types):
 
 def test_quant_matmuls_on_opencl():
     _check_quant_matmuls(FAST_TYPES)
+
+
+def test_static_row_decode_on_opencl():
+    """`QuantDecodeGEMV` at its largest static row count: 64 rows of register accumulators per
+    lane, summed across the lanes row by row (the lanes bound innermost, not the rows)."""
+    _check_quant_matmuls(["q4k"], {"decode": [64, 1, K]}, {"decode": [64]})
 
 
 @pytest.mark.slow
