@@ -51,11 +51,10 @@ class DecodePadding:
         self._popn = popn
         self.scratch: list[int] = []  # scratch sequence ids added to the cache so far
 
-    @property
-    def max_slots(self) -> int:
-        """Most padding rows one step can need (a batch one above the second-largest bucket)."""
-        sizes = (0, *self.buckets)
-        return max(b - a - 1 for a, b in zip(sizes, sizes[1:], strict=False))
+    def slots_for(self, max_rows: int) -> int:
+        """Most padding rows a step of at most `max_rows` real rows needs (31 for 64 with the
+        CUDA buckets: 33 rows run as 64): the scratch sequences' slots and pages to reserve."""
+        return max((self.bucket(n) - n for n in range(1, max_rows + 1)), default=0)
 
     def bucket(self, rows: int) -> int:
         """The batch size `rows` is run at: the smallest bucket that holds it (itself when it

@@ -188,7 +188,8 @@ class TVMModelRunner:
         self.decode_padding = (
             DecodePadding(buckets, self.add_sequence, self.popn) if buckets else None
         )
-        self._padding_slots = self.decode_padding.max_slots if self.decode_padding else 0
+        padding = self.decode_padding
+        self._padding_slots = padding.slots_for(kv.max_batch_size) if padding else 0
         total += self._padding_slots * self.page_size
         functions = set(self.manifest.functions)
         names = ["embed", "create_paged_kv_cache"]

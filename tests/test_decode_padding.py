@@ -36,7 +36,7 @@ def test_buckets_and_scratch_sequences():
     pad = DecodePadding(CUDA_BUCKETS, cache.add, cache.popn)
     assert [pad.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
     assert pad.bucket(65) == 65  # above the largest bucket: as is (the runner caps its batch)
-    assert pad.max_slots == 31  # 33 rows run as 64
+    assert [pad.slots_for(m) for m in (1, 2, 5, 8, 64)] == [0, 0, 3, 3, 31]  # 33 runs as 64
     items = [(7, [11]), (3, [12]), (9, [13])]
     padded = pad.pad(items)
     assert padded[:3] == items and [s for s, _ in padded[3:]] == [SCRATCH_SEQ_BASE]
