@@ -108,7 +108,8 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
             prefill_chunk_size=chunk,
         ),
     )
-    runner.max_batch_size = options.max_num_seqs
+    # At most max_num_seqs per step, and never above a CUDA artifact's compiled batch bound.
+    runner.max_batch_size = min(options.max_num_seqs, runner.max_batch_size)
     runner.batch_invariant = options.deterministic
     if options.deterministic:
         _warn_if_not_batch_invariant(runner)

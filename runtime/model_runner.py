@@ -21,6 +21,7 @@ from .artifact import (
     read_weights,
 )
 from .cpu_threads import configure_cpu_threads
+from .decode_padding import DecodePadding
 from .devices import device_kind, open_device
 from .errors import ArtifactError
 from .library_select import LibraryChoice, choose_library
@@ -129,7 +130,10 @@ class TVMModelRunner:
         device: str | LibraryChoice | None = None,
         kv: KVCacheConfig | None = None,
         threads: int | None = None,
+        decode_buckets: tuple[int, ...] | None = None,
     ):
+        """`decode_buckets`: batch sizes `batch_decode` steps are rounded up to; by default
+        the CUDA-graph buckets the manifest records (none on other devices)."""
         self.folder = Path(folder)
         self.manifest = Manifest.read(self.folder)
         # `device`: auto (None), cpu, cuda[:N], metal[:N], or a choice already made.
@@ -166,10 +170,10 @@ class TVMModelRunner:
         self.page_size = int(self.manifest.kv_cache.page_size)
         kv = kv or KVCacheConfig()
         # CUDA artifacts plan batch_decode's memory for a bounded batch (CUDA graphs).
-        bound = None
+        bound, details = None, {}
         if self.device_kind.batch_bound_detail is not None:
-            details = (library.details or {}).get(self.device_kind.batch_bound_detail)
-            bound = (details or {}).get("max_batch_size")
+            details = (library.details or {}).get(self.device_kind.batch_bound_detail) or {}
+            bound = details.get("max_batch_size")
         if bound and kv.max_batch_size > int(bound):
             log.info("max batch %d capped to the compiled bound %d", kv.max_batch_size, bound)
             kv = dataclasses.replace(kv, max_batch_size=int(bound))
@@ -177,6 +181,16 @@ class TVMModelRunner:
         self.prefill_chunk_size = kv.prefill_chunk_size
         total = kv.max_total_tokens or self.context_window * max(1, kv.max_batch_size // 4)
         total = max(total, self.page_size)
+        # batch_decode steps rounded up to the CUDA-graph buckets (decode_padding.py): each
+        # padding slot's scratch sequence takes a sequence slot and, during a step, one page,
+        # both on top of what was asked for.
+        buckets = decode_buckets or details.get("batch_buckets")
+        self.decode_padding = (
+            DecodePadding(buckets, self.add_sequence, self.popn) if buckets else None
+        )
+        padding = self.decode_padding
+        self._padding_slots = padding.slots_for(kv.max_batch_size) if padding else 0
+        total += self._padding_slots * self.page_size
         functions = set(self.manifest.functions)
         names = ["embed", "create_paged_kv_cache"]
         # `tallow compile --task embed` artifacts carry the embedding path only.
@@ -214,13 +228,13 @@ class TVMModelRunner:
         # layers still read them. Windows are per layer, applied by the attention kernels.
         self.sliding_window = self.manifest.kv_cache.sliding_window
         self.kv_cache = self._funcs["create_paged_kv_cache"](
-            shape([kv.max_batch_size]),
+            shape([kv.max_batch_size + self._padding_slots]),
             shape([total]),
             shape([kv.prefill_chunk_size]),
             shape([self.page_size]),
             shape([0]),
         )
-        self.num_pages = int(self._free_pages(self.kv_cache))
+        self.num_pages = self.num_free_pages()
         kv_info = self.manifest.kv_cache
         log.info(
             "KV cache: %d pages of %d tokens (%d tokens, %s, %d bytes a page), max batch %d",
@@ -246,7 +260,7 @@ class TVMModelRunner:
         self._popn(self.kv_cache, seq_id, n)
 
     def num_free_pages(self) -> int:
-        return int(self._free_pages(self.kv_cache))
+        return int(self._free_pages(self.kv_cache)) - self._padding_slots
 
     def forward(self, items: list[tuple[int, list[int]]]):
         """Append each item's tokens to its sequence; float32 logits [items, vocab] of each
@@ -331,16 +345,20 @@ class TVMModelRunner:
 
         Single tokens at their own positions go through `decode` (one) or `batch_decode`."""
         tvm = self._tvm
+        rows = len(items)
+        decode = max(len(toks) for _, toks in items) == 1 and len(positions) == rows
+        # One sequence: `decode` where the device kind says it pays (devices.py).
+        single = decode and rows == 1 and self.device_kind.single_sequence_decode
+        single = single and not self.batch_invariant
+        if decode and not single and self.decode_padding is not None:
+            items = self.decode_padding.pad(items)
         lengths = [len(toks) for _, toks in items]
         ids = np.fromiter((t for _, toks in items for t in toks), dtype=np.int32)
         embeds = self._funcs["embed"](tvm.runtime.tensor(ids, self.device), self.params)
         seq_ids = tvm.runtime.ShapeTuple([s for s, _ in items])
         self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple(lengths))
         try:
-            if max(lengths) == 1 and len(positions) == len(items):
-                # One sequence: `decode` where the device kind says it pays (devices.py).
-                single = len(items) == 1 and self.device_kind.single_sequence_decode
-                single = single and not self.batch_invariant
+            if decode:
                 name = "decode" if single else "batch_decode"
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)
@@ -351,6 +369,10 @@ class TVMModelRunner:
                 )
         finally:
             self._end(self.kv_cache)
+            if len(items) > rows:  # the padding rows' tokens are taken back, their logits dropped
+                self.decode_padding.rewind(len(items) - rows)
+        if len(items) > rows:
+            logits = logits._create_view((rows, 1, self.vocab_size))
         return logits
 
     def _run_apart(self, items: list[tuple[int, list[int]]]):

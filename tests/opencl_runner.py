@@ -43,6 +43,9 @@ _FP16_PRAGMA = re.compile(r"#ifdef cl_khr_fp16\n.*?#endif\n", re.S)
 _HALF = r"\(\*\(half \*\)\(&\((\w+)\)\)\)"
 _HALF_TO_FLOAT = re.compile(rf"convert_float\({_HALF}\)")
 _HALF_BROADCAST = re.compile(rf"convert_float(\d+)\(\(\(half\1\)\(({_HALF}(?:, {_HALF})*)\)\)\)")
+# An f16 kernel argument (the activations of an f16 model), read only through loads converted
+# to float: `convert_float(x[i])` is `vload_half(i, x)`, core OpenCL.
+_HALF_PARAM = re.compile(r"__global half\* restrict (\w+)")
 
 
 def unavailable() -> str | None:
@@ -121,7 +124,9 @@ class OpenCLKernels:
             lambda m: f"((float{m[1]})({re.sub(_HALF, _VLOAD_HALF, m[2])}))", source
         )
         source = _HALF_TO_FLOAT.sub(_VLOAD_HALF, source)
-        if re.search(r"\bhalf\d*\b(?! \*\)\(&)", source):
+        for name in set(_HALF_PARAM.findall(source)):
+            source = _half_loads(source, name)
+        if re.search(r"\bhalf\d*\b(?! \*\)\(&)", _HALF_PARAM.sub("", source)):
             raise RuntimeError(
                 f"these kernels compute in f16, and the OpenCL device {self.device.name!r} "
                 "has no cl_khr_fp16"
@@ -168,6 +173,31 @@ class OpenCLKernels:
         if name not in self._launchers:
             self._launchers[name] = cl.Kernel(self.program, name)
         self._launchers[name](self.queue, glob, local, *args)
+
+
+def _half_loads(source: str, name: str) -> str:
+    """`convert_float(name[<index>])` -> `vload_half(<index>, name)` (brackets balanced); any
+    other use of the f16 argument `name` is refused."""
+    head = f"convert_float({name}["
+    out, i = [], 0
+    while (j := source.find(head, i)) >= 0:
+        k, depth = j + len(head), 1
+        while depth:
+            depth += {"[": 1, "]": -1}.get(source[k], 0)
+            k += 1
+        if source[k] != ")":  # not a plain load converted to float: leave it
+            out.append(source[i:k])
+            i = k
+            continue
+        out.append(f"{source[i:j]}vload_half({source[j + len(head) : k - 1]}, {name})")
+        i = k + 1
+    source = "".join(out) + source[i:]
+    if re.search(rf"\b{name}\[", source):
+        raise RuntimeError(
+            f"the f16 argument {name} is used beyond loads converted to float, which an "
+            "OpenCL device without cl_khr_fp16 cannot run"
+        )
+    return source
 
 
 def _kernel(name: str, func) -> Kernel:

@@ -35,7 +35,7 @@ SHAPES = {
     "batch_decode": ["b", 1, K],
     "prefill": [1, "s", K],
 }
-ROWS = {"decode": [1], "batch_decode": [1, 3, 7], "prefill": [1, 5, 37]}
+ROWS = {"decode": [1], "batch_decode": [1, 3, 7, 16, 64], "prefill": [1, 5, 37]}
 
 
 def _prim_funcs(mod) -> dict:
@@ -66,11 +66,11 @@ for _function in SHAPES:
     )
 
 
-def _check_quant_matmuls(types):
+def _check_quant_matmuls(types, shapes=SHAPES, rows=ROWS, dtype="float32"):
     mod, _ = _Projections(types).export_tvm(
-        {f: {"x": nn.spec.Tensor(shape, "float32")} for f, shape in SHAPES.items()}
+        {f: {"x": nn.spec.Tensor(shape, dtype)} for f, shape in shapes.items()}
     )
-    scheduled, report = cuda_scheduled(mod)
+    scheduled, report = cuda_scheduled(mod, {"float32": "f32", "float16": "f16"}[dtype])
     kernels = OpenCLKernels(_prim_funcs(scheduled))
     rng = np.random.default_rng(0)
     failures = []
@@ -80,10 +80,10 @@ def _check_quant_matmuls(types):
         blocks = quantize(x_full, qtype)
         w = np.asarray(gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type))
         w = w.reshape(N, K).astype(np.float64)
-        for function, rows in ROWS.items():
+        for function, counts in rows.items():
             name = _kernel_of(scheduled, qtype, function)
-            for m in rows:
-                x = rng.standard_normal((m, K)).astype(np.float32)
+            for m in counts:
+                x = rng.standard_normal((m, K)).astype(dtype)
                 out = np.full((m, N), np.nan, np.float32)
                 sizes = {"b": m, "s": m}
                 kernels.run(name, {"x": x, f"{qtype}_weight": blocks, "matmul": out}, sizes)
@@ -101,6 +101,21 @@ def _check_quant_matmuls(types):
 
 def test_quant_matmuls_on_opencl():
     _check_quant_matmuls(FAST_TYPES)
+
+
+def test_static_row_decode_on_opencl():
+    """`QuantDecodeGEMV` at its largest static row count: 64 rows of register accumulators per
+    lane, summed across the lanes row by row (the lanes bound innermost, not the rows)."""
+    _check_quant_matmuls(["q4k"], {"decode": [64, 1, K]}, {"decode": [64]})
+
+
+def test_f16_decode_on_opencl():
+    """The f16 `decode` kernel (`QuantDecodeGEMV`) with f16 activations: PoCL has no
+    cl_khr_fp16, but this kernel only loads the f16 inputs and converts them to float
+    (`vload_half`, core OpenCL; `opencl_runner.py`), then decodes and accumulates in f32,
+    so its f16 numerics run as they would on a GPU. (dlight's batch_decode and prefill
+    kernels keep f16 values in buffers of their own, which the runner refuses on PoCL.)"""
+    _check_quant_matmuls(["q4k"], {"decode": [1, 1, K]}, {"decode": [1]}, "float16")
 
 
 @pytest.mark.slow

@@ -9,10 +9,11 @@ pipeline), so a graph replays fixed buffers. It needs statically planned memory:
 `batch_decode` gets an upper bound on `batch_size` (`tir_var_upper_bound`), and the attribute
 `relax.rewrite_cuda_graph.capture_symbolic_vars` lets the pass capture regions whose shapes
 depend on `batch_size`: the VM then keeps one graph per batch size it meets
-(`vm.builtin.cuda_graph.run_or_capture` keys its cache on the shape values). The paged KV
-cache's attention calls take per-step page tables, so they stay outside the graphs: each
-layer's kernels between two attention calls are one captured region. What was captured is
-recorded in the manifest (`target.details.cuda_graph`).
+(`vm.builtin.cuda_graph.run_or_capture` keys its cache on the shape values), and the runtime
+rounds every step up to one of `CUDA_GRAPH_BATCH_BUCKETS` (`runtime/decode_padding.py`).
+The paged KV cache's attention calls take per-step page tables, so they stay outside the
+graphs: each layer's kernels between two attention calls are one captured region. What was
+captured is recorded in the manifest (`target.details.cuda_graph`).
 """
 
 from __future__ import annotations

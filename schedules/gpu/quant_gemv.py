@@ -76,8 +76,13 @@ class QuantDecodeGEMV:
         sch.unroll(sch.get_loops(rf)[4])
         sch.decompose_reduction(rf, rf_loops[3])
         sch.reverse_compute_at(mm, rf_loops[1])
-        mm_loops = sch.get_loops(mm)
-        sch.bind(mm_loops[-1], "threadIdx.x")  # the k_t reduction across the warp
+        # Under n_i: the k_t reduction, then the rows (more than one row only). The lanes must
+        # be the innermost loop, bound to threadIdx.x: bound to the rows instead, each thread
+        # would sum the other lanes' register partials (wrong, and spilled to the stack).
+        lane, *rows = sch.get_loops(mm)[2:]
+        if rows:
+            sch.reorder(*rows, lane)
+        sch.bind(lane, "threadIdx.x")  # the k_t reduction across the warp
         if epilogue is not None:
             sch.set_scope(mm, 0, "local")
             sch.reverse_compute_at(epilogue, rf_loops[1])
