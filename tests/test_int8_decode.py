@@ -127,6 +127,18 @@ def test_gemv_matches_numpy(qtype):
     _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
 
 
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_vnni_row_kernel_matches_numpy(qtype):
+    """Every format, one static row on an AVX-512 VNNI CPU (`cpu.int8_vnni_row`): the legacy
+    formats' 16-group steps with a tail of 6 groups (3 pairs), the K-quants 2 super-blocks."""
+    k = 704 if QUANT_FORMATS[qtype].block_size == 32 else 512
+    n = 32
+    blocks, deq = _weights(qtype, n, k, seed=31)
+    x = _activations(1, k, seed=32)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1, vnni=True), x, blocks, n), x, deq)
+
+
 @pytest.mark.parametrize("qtype", ["q2k", "q4k", "q5k", "q6k"])
 def test_block_scales_row_kernel_on_avx2(qtype):
     """The K-quants' one-row kernel (a super-block's scales decoded as one vector,

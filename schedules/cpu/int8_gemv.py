@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import add, reduce_lanes
+from . import int8_vnni_row
 from .int8_codes import LANES, Row, codes_of, group
 from .int8_ops import (
     MULT_LANES,
@@ -81,6 +82,8 @@ def gemv_kernel(
         from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
+    if vnni and int8_vnni_row.applies(qtype, k):
+        return int8_vnni_row.row_kernel(qtype, n_out, k)
     if codes_of(qtype).block_scales is not None:
         return _block_row_kernel(qtype, n_out, k)
     return _row_kernel(qtype, n_out, k)

@@ -1,0 +1,235 @@
+"""`decode`'s one-row int8 kernel for CPUs with AVX-512 VNNI: two groups per `vpdpbusd`.
+
+The AVX2 row kernel of `int8_gemv` spends, per 32-weight group, a `pmaddubsw`, a `pmaddwd` by
+the activations' multiplier `m`, a convert and an FMA with a scale broadcast to 8 lanes (plus
+q8_0's sign trick): on 256-bit vectors, about 6 vector instructions per 32 weights besides
+the codes' unpacking. Here two groups' codes are joined in one 512-bit vector and a single
+`vpdpbusd` multiplies their 64 unsigned codes by the 64 int8 activations, summing each lane's
+4 products straight to int32 (no int16 stage, so q8_0's signed codes just flip to
+`code + 128`, the `-128 * d` joining the offsets, as in `int8_vnni`). `m` moves from the
+integer product into the float scale: per pair of groups one 16-lane vector holds each
+lane's weight scale times its group's `m` (`xmf`, kept as float per scale slot by the
+quantize step), and one convert and one FMA take the pair into a 16-lane accumulator. The
+K-quants multiply a super-block's decoded scales (`Int8Codes.block_scales`) by `xmf` once
+per block and pick each pair's 16 lanes from that with one permute.
+
+Numerics: the same dot product of the dequantized weights with the same rounded activations;
+only where `m` meets the sum differs (a float product instead of an int32 one), a float32
+rounding within the tests' bound.
+
+Weights from memory, one thread, CPU time (`benchmarks/gemv_bandwidth.py --clock cpu`, quiet
+machine), GB/s of weight bytes, AVX2 row kernel -> this one: see `docs/benchmarks.md`.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tallow.compiler.quant.registry import get_format
+
+from ..tir_common import add, prefetch, reduce_lanes
+from . import int8_vnni_legacy
+from .int8_codes import LANES, Row, codes_of, group
+from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
+from .int8_vnni import COLS, _vpdpbusd
+
+PAIR = 2 * LANES  # weights per vpdpbusd: two groups
+AHEAD = 4096  # bytes
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def applies(qtype: str, k: int) -> bool:
+    """Whether rows of length `k` split into whole pairs of groups (else the AVX2 kernel)."""
+    return k % PAIR == 0 and get_format(qtype).block_size % PAIR in (0, LANES)
+
+
+def pair_codes(w, qtype: str, n, g):
+    """uint8x64: the codes of groups g and g + 1 of row n, as `vpdpbusd`'s unsigned operand."""
+    lo, hi = group(w, qtype, n, g).codes, group(w, qtype, n, g + 1).codes
+    joined = tirx.Shuffle([lo, hi], [_c(i) for i in range(PAIR)])
+    if codes_of(qtype).signed:  # int8 codes as code + 128: flip each byte's sign bit
+        return tirx.reinterpret("uint8x64", joined) ^ tirx.Broadcast(
+            tirx.const(0x80, "uint8"), PAIR
+        )
+    return tirx.reinterpret("uint8x64", joined)
+
+
+def spread(scales, slots: int):
+    """float32x16 from `slots` scales (2 groups x halves): lane i covers weights 4i..4i+3."""
+    per = COLS // slots
+    # (a shuffle gives at most as many lanes as its inputs hold)
+    return tirx.Shuffle([scales] * per, [_c(i // per) for i in range(COLS)])
+
+
+def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
+    """`out[0, 0, :] = x[0, 0, :] @ dequantize(w)^T`, one sequence (see the module doc)."""
+    fmt = get_format(qtype)
+    groups = k // LANES
+    rb = fmt.row_bytes(k)
+    halves = offset_halves(qtype)
+    slots = groups * halves
+    quantize = quantize_macro(groups, halves)
+    padded = -(-slots // int8_vnni_legacy.CHUNK) * int8_vnni_legacy.CHUNK  # vector tail reads
+    if int8_vnni_legacy.applies(qtype):
+        dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
+    elif codes_of(qtype).block_scales is not None and fmt.block_size % PAIR == 0:
+        dot_row = _block_dot_macro(qtype, groups, halves, ahead)
+    else:
+        dot_row = _pair_dot_macro(qtype, groups, halves)
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemv(
+        x: T.Buffer((1, 1, k), "float32"),
+        w: T.Buffer((n_out, rb), "uint8"),
+        out: T.Buffer((1, 1, n_out), "float32"),
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        xq = T.sblock_alloc_buffer((1, k), "int8")
+        xm = T.sblock_alloc_buffer((1, groups * MULT_LANES), "int16")
+        xr = T.sblock_alloc_buffer((1,), "float32")
+        xs = T.sblock_alloc_buffer((slots, 1), "float32")
+        sums = T.sblock_alloc_buffer((padded,), "float32")  # xs, for vector loads
+        xmf = T.sblock_alloc_buffer((padded,), "float32")  # m per scale slot, as float
+        with T.sblock("quantize"):
+            T.reads(x[0, 0, 0:k])
+            T.writes(xq[0, 0:k], xm[0, 0 : groups * MULT_LANES], xr[0], xs[:, 0], sums[:], xmf[:])
+            quantize(x, 0, xq, xm, xr, xs)
+            for i in range(slots):
+                sums[i] = xs[i, 0]
+                xmf[i] = T.Cast("float32", xm[0, i // halves * MULT_LANES])
+            for i in range(padded - slots):
+                sums[slots + i] = T.float32(0)
+                xmf[slots + i] = T.float32(0)
+        for nc in T.parallel(n_out // N_CHUNK):
+            for ni in range(N_CHUNK):
+                with T.sblock("dot"):
+                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xr[0], sums[:], xmf[:])
+                    T.writes(out[0, 0, nc * N_CHUNK + ni])
+                    dot_row(w, nc * N_CHUNK + ni, xq, xr, sums, xmf, out)
+
+    return gemv
+
+
+def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
+    """Row `n` of a K-quant: per super-block, its scales times `xmf` once, then per pair a
+    permute, a `vpdpbusd`, a convert and an FMA; the offsets in one vector FMA per block."""
+    fmt = get_format(qtype)
+    per_block = fmt.block_size // LANES
+    blocks = groups // per_block
+    width = per_block * halves
+    block_scales = codes_of(qtype).block_scales
+
+    lines = (fmt.type_size + 63) // 64 if ahead else 0
+
+    def prefetch_ahead(w, n, byte):
+        return prefetch(tirx.address_of(w[n, byte + ahead]))
+
+    def row_scales(w, n, b):
+        return block_scales(Row(w, n, b * fmt.type_size))
+
+    def pair_scales(ss, p):
+        return spread(ss[T.Ramp(p * 2 * halves, 1, 2 * halves)], 2 * halves)
+
+    @T.macro
+    def dot_row(w, n, xq, xr, sums, xmf, out):
+        # stack arrays (see int8_ops.quantize_macro): two 16-lane chains, offsets, scales
+        acc = T.sblock_alloc_buffer((2 * COLS,), "float32")
+        off = T.sblock_alloc_buffer((width,), "float32")
+        ss = T.sblock_alloc_buffer((width,), "float32")
+        acc[T.Ramp(0, 1, 2 * COLS)] = T.Broadcast(T.float32(0), 2 * COLS)
+        off[T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
+        for b in range(blocks):
+            for j in T.unroll(lines):
+                T.evaluate(prefetch_ahead(w, n, b * fmt.type_size + j * 64))
+            scales = T.meta_var(row_scales(w, n, b))
+            ss[T.Ramp(0, 1, width)] = scales[0] * xmf[T.Ramp(b * width, 1, width)]
+            off[T.Ramp(0, 1, width)] = (
+                off[T.Ramp(0, 1, width)] + scales[1] * sums[T.Ramp(b * width, 1, width)]
+            )
+            for p in T.unroll(per_block // 2):
+                g: T.let[T.int32] = b * per_block + p * 2
+                dots: T.let[T.int32x16] = _vpdpbusd(
+                    T.Broadcast(T.int32(0), COLS),
+                    pair_codes(w, qtype, n, g),
+                    xq.vload([0, g * LANES], "int8x64"),
+                )
+                acc[T.Ramp(p % 2 * COLS, 1, COLS)] = acc[T.Ramp(p % 2 * COLS, 1, COLS)] + T.Cast(
+                    "float32x16", dots
+                ) * pair_scales(ss, p)
+        out[0, 0, n] = xr[0] * reduce_lanes(
+            acc[T.Ramp(0, 1, COLS)] + acc[T.Ramp(COLS, 1, COLS)], COLS, add
+        ) + reduce_lanes(off[T.Ramp(0, 1, width)], width, add)
+
+    return dot_row
+
+
+def _pair_dot_macro(qtype: str, groups: int, halves: int):
+    """Row `n` of a 32-weight-block format (or a K-quant without vector block scales): per
+    pair of groups their scales (times `xmf`) spread to 16 lanes, a `vpdpbusd`, a convert and
+    an FMA; the offsets as scalar FMAs on two chains."""
+    signed = codes_of(qtype).signed
+    pairs = groups // 2
+    slots = 2 * halves  # scales per pair
+
+    def pair_scales(w, n, g, xmf):
+        parts = []
+        for j in range(2):
+            grp = group(w, qtype, n, g + j)
+            parts += [grp.scale_lo, grp.scale_hi][:halves]
+        vec = tirx.Shuffle([tirx.Broadcast(s, 2) for s in parts], [_c(2 * i) for i in range(slots)])
+        return spread(vec * xmf[T.Ramp(g * halves, 1, slots)], slots)
+
+    def pair_offset(w, n, g, sums):
+        total = None
+        for j in range(2):
+            grp = group(w, qtype, n, g + j)
+            if signed:  # code + 128: the shift times the scale
+                terms = [(grp.scale_lo * -128.0, 0)]
+            else:
+                terms = [(grp.offset_lo, 0), (grp.offset_hi, 1)][:halves]
+            for o, h in terms:
+                t = o * sums[(g + j) * halves + h]
+                total = t if total is None else total + t
+        return total
+
+    @T.macro
+    def dot_row(w, n, xq, xr, sums, xmf, out):
+        acc = T.sblock_alloc_buffer((2 * COLS,), "float32")
+        off = T.sblock_alloc_buffer((2,), "float32")
+        acc[T.Ramp(0, 1, 2 * COLS)] = T.Broadcast(T.float32(0), 2 * COLS)
+        off[0] = T.float32(0)
+        off[1] = T.float32(0)
+        for pu in range(pairs // 2):
+            for u in T.unroll(2):
+                g: T.let[T.int32] = (pu * 2 + u) * 2
+                dots: T.let[T.int32x16] = _vpdpbusd(
+                    T.Broadcast(T.int32(0), COLS),
+                    pair_codes(w, qtype, n, g),
+                    xq.vload([0, g * LANES], "int8x64"),
+                )
+                acc[T.Ramp(u * COLS, 1, COLS)] = acc[T.Ramp(u * COLS, 1, COLS)] + T.Cast(
+                    "float32x16", dots
+                ) * pair_scales(w, n, g, xmf)
+                off[u] = off[u] + pair_offset(w, n, g, sums)
+        if pairs % 2 == 1:
+            gl: T.let[T.int32] = (pairs - 1) * 2
+            last: T.let[T.int32x16] = _vpdpbusd(
+                T.Broadcast(T.int32(0), COLS),
+                pair_codes(w, qtype, n, gl),
+                xq.vload([0, gl * LANES], "int8x64"),
+            )
+            acc[T.Ramp(0, 1, COLS)] = acc[T.Ramp(0, 1, COLS)] + T.Cast(
+                "float32x16", last
+            ) * pair_scales(w, n, gl, xmf)
+            off[0] = off[0] + pair_offset(w, n, gl, sums)
+        out[0, 0, n] = (
+            xr[0] * reduce_lanes(acc[T.Ramp(0, 1, COLS)] + acc[T.Ramp(COLS, 1, COLS)], COLS, add)
+            + off[0]
+            + off[1]
+        )
+
+    return dot_row
