@@ -74,6 +74,15 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
     slots = groups * halves
     quantize = quantize_macro(groups, halves)
     padded = -(-slots // int8_vnni_legacy.CHUNK) * int8_vnni_legacy.CHUNK  # vector tail reads
+    nibble_pairs = codes_of(qtype).nibble_pairs_at is not None and fmt.block_size % 256 == 0
+
+    def source_group(g):
+        """The group whose activations go to slot `g` of `xp`: q4k's pairs are groups 4i, 4i+2
+        and 4i+1, 4i+3 of each block (the low and the high nibbles of one 64-byte load)."""
+        if not nibble_pairs:
+            return g
+        return g // 4 * 4 + g % 2 * 2 + g // 2 % 2
+
     if int8_vnni_legacy.applies(qtype):
         dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
     elif codes_of(qtype).block_scales is not None and fmt.block_size % PAIR == 0:
@@ -89,6 +98,7 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
     ):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
         xq = T.sblock_alloc_buffer((1, k), "int8")
+        xp = T.sblock_alloc_buffer((1, k), "int8")  # xq's groups in the kernel's pair order
         xm = T.sblock_alloc_buffer((1, groups * MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((1,), "float32")
         xs = T.sblock_alloc_buffer((slots, 1), "float32")
@@ -96,8 +106,11 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
         xmf = T.sblock_alloc_buffer((padded,), "float32")  # m per scale slot, as float
         with T.sblock("quantize"):
             T.reads(x[0, 0, 0:k])
-            T.writes(xq[0, 0:k], xm[0, 0 : groups * MULT_LANES], xr[0], xs[:, 0], sums[:], xmf[:])
+            T.writes(xq[0, 0:k], xp[0, 0:k], xm[0, :], xr[0], xs[:, 0], sums[:], xmf[:])
             quantize(x, 0, xq, xm, xr, xs)
+            for g in range(groups):
+                src: T.let[T.int32] = source_group(g)
+                xp[0, T.Ramp(g * LANES, 1, LANES)] = xq[0, T.Ramp(src * LANES, 1, LANES)]
             for i in range(slots):
                 sums[i] = xs[i, 0]
                 xmf[i] = T.Cast("float32", xm[0, i // halves * MULT_LANES])
@@ -107,9 +120,9 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
         for nc in T.parallel(n_out // N_CHUNK):
             for ni in range(N_CHUNK):
                 with T.sblock("dot"):
-                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[0, :], xr[0], sums[:], xmf[:])
+                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
-                    dot_row(w, nc * N_CHUNK + ni, xq, xr, sums, xmf, out)
+                    dot_row(w, nc * N_CHUNK + ni, xp, xr, sums, xmf, out)
 
     return gemv
 
@@ -131,8 +144,20 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
     def row_scales(w, n, b):
         return block_scales(Row(w, n, b * fmt.type_size))
 
+    pairs_at = codes_of(qtype).nibble_pairs_at if fmt.block_size % 256 == 0 else None
+
     def pair_scales(ss, p):
+        if pairs_at is not None:  # groups 4i + j and 4i + j + 2 (j = p % 2, i = p // 2)
+            return spread(ss[T.Ramp(p // 2 * 4 + p % 2, 2, 2)], 2)
         return spread(ss[T.Ramp(p * 2 * halves, 1, 2 * halves)], 2 * halves)
+
+    def codes(w, n, b, p):
+        if pairs_at is not None:  # one 64-byte load: low nibbles, or high, of 4 runs of 32
+            v = w.vload([n, b * fmt.type_size + pairs_at + p // 2 * 64], "uint8x64")
+            return (v >> tirx.Broadcast(tirx.Cast("uint8", p % 2 * 4), PAIR)) & tirx.Broadcast(
+                tirx.const(15, "uint8"), PAIR
+            )
+        return pair_codes(w, qtype, n, b * per_block + p * 2)
 
     @T.macro
     def dot_row(w, n, xq, xr, sums, xmf, out):
@@ -154,7 +179,7 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
                 g: T.let[T.int32] = b * per_block + p * 2
                 dots: T.let[T.int32x16] = _vpdpbusd(
                     T.Broadcast(T.int32(0), COLS),
-                    pair_codes(w, qtype, n, g),
+                    codes(w, n, b, p),
                     xq.vload([0, g * LANES], "int8x64"),
                 )
                 acc[T.Ramp(p % 2 * COLS, 1, COLS)] = acc[T.Ramp(p % 2 * COLS, 1, COLS)] + T.Cast(
