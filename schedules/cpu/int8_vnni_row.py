@@ -136,13 +136,19 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
     width = per_block * halves
     block_scales = codes_of(qtype).block_scales
 
-    lines = (fmt.type_size + 63) // 64 if ahead else 0
+    lines = (2 * fmt.type_size + 63) // 64 if ahead else 0  # per step, at most 2 blocks
 
     def prefetch_ahead(w, n, byte):
         return prefetch(tirx.address_of(w[n, byte + ahead]))
 
+    # two super-blocks a step where the row has an even number: their scales decode as one
+    # vector of twice the lanes (q4k: 16-lane instructions instead of two 8-lane runs)
+    step = 2 if blocks % 2 == 0 else 1
+    sw = width * step  # scale lanes per step
+    pairs = step * per_block // 2
+
     def row_scales(w, n, b):
-        return block_scales(Row(w, n, b * fmt.type_size))
+        return block_scales(*[Row(w, n, (b * step + i) * fmt.type_size) for i in range(step)])
 
     pairs_at = codes_of(qtype).nibble_pairs_at if fmt.block_size % 256 == 0 else None
 
@@ -163,23 +169,21 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
     def dot_row(w, n, xq, xr, sums, xmf, out):
         # stack arrays (see int8_ops.quantize_macro): two 16-lane chains, offsets, scales
         acc = T.sblock_alloc_buffer((2 * COLS,), "float32")
-        off = T.sblock_alloc_buffer((width,), "float32")
-        ss = T.sblock_alloc_buffer((width,), "float32")
+        off = T.sblock_alloc_buffer((sw,), "float32")
+        ss = T.sblock_alloc_buffer((sw,), "float32")
         acc[T.Ramp(0, 1, 2 * COLS)] = T.Broadcast(T.float32(0), 2 * COLS)
-        off[T.Ramp(0, 1, width)] = T.Broadcast(T.float32(0), width)
-        for b in range(blocks):
-            for j in T.unroll(lines):
-                T.evaluate(prefetch_ahead(w, n, b * fmt.type_size + j * 64))
+        off[T.Ramp(0, 1, sw)] = T.Broadcast(T.float32(0), sw)
+        for b in range(blocks // step):
+            for j in T.unroll(lines * step // 2):
+                T.evaluate(prefetch_ahead(w, n, b * step * fmt.type_size + j * 64))
             scales = T.meta_var(row_scales(w, n, b))
-            ss[T.Ramp(0, 1, width)] = scales[0] * xmf[T.Ramp(b * width, 1, width)]
-            off[T.Ramp(0, 1, width)] = (
-                off[T.Ramp(0, 1, width)] + scales[1] * sums[T.Ramp(b * width, 1, width)]
-            )
-            for p in T.unroll(per_block // 2):
-                g: T.let[T.int32] = b * per_block + p * 2
+            ss[T.Ramp(0, 1, sw)] = scales[0] * xmf[T.Ramp(b * sw, 1, sw)]
+            off[T.Ramp(0, 1, sw)] = off[T.Ramp(0, 1, sw)] + scales[1] * sums[T.Ramp(b * sw, 1, sw)]
+            for p in T.unroll(pairs):
+                g: T.let[T.int32] = b * step * per_block + p * 2
                 dots: T.let[T.int32x16] = _vpdpbusd(
                     T.Broadcast(T.int32(0), COLS),
-                    codes(w, n, b, p),
+                    codes(w, n, b * step + p // (per_block // 2), p % (per_block // 2)),
                     xq.vload([0, g * LANES], "int8x64"),
                 )
                 acc[T.Ramp(p % 2 * COLS, 1, COLS)] = acc[T.Ramp(p % 2 * COLS, 1, COLS)] + T.Cast(
@@ -187,7 +191,7 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
                 ) * pair_scales(ss, p)
         out[0, 0, n] = xr[0] * reduce_lanes(
             acc[T.Ramp(0, 1, COLS)] + acc[T.Ramp(COLS, 1, COLS)], COLS, add
-        ) + reduce_lanes(off[T.Ramp(0, 1, width)], width, add)
+        ) + reduce_lanes(off[T.Ramp(0, 1, sw)], sw, add)
 
     return dot_row
 
