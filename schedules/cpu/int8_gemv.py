@@ -72,9 +72,9 @@ def gemv_kernel(
 
     `batch` is the static number of sequences, or None for a symbolic one (`batch_decode`).
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out). One sequence
-    gets the kernel below; more get the tiled kernel of `int8_batched`, whose column
-    tiles (`int8_columns`, or `int8_vnni` where `vnni`: the target has AVX-512 VNNI)
-    `column_tiles=False` turns off (benchmarks, tests).
+    gets the kernel below (`int8_vnni_row`'s where `vnni`: the target has AVX-512 VNNI);
+    more get the tiled kernel of `int8_batched`, whose column tiles (`int8_columns`, or
+    `int8_vnni` where `vnni`) `column_tiles=False` turns off (benchmarks, tests).
     """
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")

@@ -17,8 +17,19 @@ Numerics: the same dot product of the dequantized weights with the same rounded 
 only where `m` meets the sum differs (a float product instead of an int32 one), a float32
 rounding within the tests' bound.
 
-Weights from memory, one thread, CPU time (`benchmarks/gemv_bandwidth.py --clock cpu`, quiet
-machine), GB/s of weight bytes, AVX2 row kernel -> this one: see `docs/benchmarks.md`.
+Also: q4k's pairs are the low and the high nibbles of one 64-byte load (groups 4i, 4i+2 and
+4i+1, 4i+3: the activations are copied once per call into that order, `xp`), two super-blocks'
+scales decode as one 16-lane vector, and the K-quants prefetch the row 4 KiB ahead (the
+hardware prefetchers alone left the q6k head at 15-17 GB/s cold against 28 in cache).
+
+Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
+loads) -> 44 (two blocks' scales). Weights from memory, one thread, CPU time, best of 7-11
+interleaved rounds (`benchmarks/gemv_bandwidth.py`; shared machine, load 7-10, so +-20%),
+GB/s of weight bytes, AVX2 row kernel -> this one: q4k 16384 x 2048 13.7 -> 17.6-19.6,
+q4k 2048 x 8192 17.9 -> 20.4 (one run: 14.4 both); q6k 128256 x 2048 (Llama 3.2's head)
+15.8-17.1 -> 19.5-22.3; q8_0 151936 x 896 (Qwen2.5's head) 13.7-19.6 -> 19.6-25.6; q5_0
+9728 x 896 10.1-11.1 -> 12.3-13.4. In cache (1 MB, one thread) q4k runs at 22 GB/s, q6k 28,
+q8_0 37, q5_0 14: q4k and q5_0 are bound by instructions, the others by memory.
 """
 
 from __future__ import annotations
