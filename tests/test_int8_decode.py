@@ -128,11 +128,19 @@ def test_gemv_matches_numpy(qtype):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
-def test_vnni_row_kernel_matches_numpy(qtype):
-    """Every format, one static row on an AVX-512 VNNI CPU (`cpu.int8_vnni_row`): the legacy
-    formats' 16-group steps with a tail of 6 groups (3 pairs), the K-quants 2 super-blocks."""
-    k = 704 if QUANT_FORMATS[qtype].block_size == 32 else 512
+@pytest.mark.parametrize(
+    ("qtype", "k"),
+    [
+        ("q8_0", 704),  # signed codes; 16-group steps with a tail of 6 groups (3 pairs)
+        ("q4_1", 704),  # legacy nibbles and mins
+        ("q5_0", 704),  # and fifth bits
+        ("q3k", 512),  # a K-quant without vector block scales: scales per pair
+        ("q4k", 512),  # nibble pairs from one load; two super-blocks' scales at once
+        ("q6k", 768),  # halves with their own scales; an odd count of super-blocks
+    ],
+)
+def test_vnni_row_kernel_matches_numpy(qtype, k):
+    """One static row on an AVX-512 VNNI CPU (`cpu.int8_vnni_row`), each of its code paths."""
     n = 32
     blocks, deq = _weights(qtype, n, k, seed=31)
     x = _activations(1, k, seed=32)
