@@ -9,7 +9,8 @@ as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token
 float activations and the tiled schedule.
 
 On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu.int8_vnni`'s column tiles
-(the same numbers, fewer instructions); the manifest names the tiles
+and `decode`'s one-row kernels `int8_vnni_row`'s (the same numbers, fewer instructions);
+the manifest names the tiles
 (`target.details.int8_decode_tiles`).
 
 This changes decode's numerics in the way llama.cpp's do: activations are rounded to int8

@@ -127,6 +127,26 @@ def test_gemv_matches_numpy(qtype):
     _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
 
 
+@needs_vnni
+@pytest.mark.parametrize(
+    ("qtype", "k"),
+    [
+        ("q8_0", 704),  # signed codes; 16-group steps with a tail of 6 groups (3 pairs)
+        ("q4_1", 704),  # legacy nibbles and mins
+        ("q5_0", 704),  # and fifth bits
+        ("q3k", 512),  # a K-quant without vector block scales: scales per pair
+        ("q4k", 512),  # nibble pairs from one load; two super-blocks' scales at once
+        ("q6k", 768),  # halves with their own scales; an odd count of super-blocks
+    ],
+)
+def test_vnni_row_kernel_matches_numpy(qtype, k):
+    """One static row on an AVX-512 VNNI CPU (`cpu.int8_vnni_row`), each of its code paths."""
+    n = 32
+    blocks, deq = _weights(qtype, n, k, seed=31)
+    x = _activations(1, k, seed=32)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1, vnni=True), x, blocks, n), x, deq)
+
+
 @pytest.mark.parametrize("qtype", ["q2k", "q4k", "q5k", "q6k"])
 def test_block_scales_row_kernel_on_avx2(qtype):
     """The K-quants' one-row kernel (a super-block's scales decoded as one vector,

@@ -69,9 +69,10 @@ class Int8Codes:
     # with `nibble_codes_at`, the VNNI tiles transpose the nibbles as bytes and add these
     fifth_bits_at: int | None = None
     leading_scale: LeadingScale | None = None
-    # `block_scales(row) -> (scales, offsets)`: all of a super-block's group scales and
+    # `block_scales(*rows) -> (scales, offsets)`: all of a super-block's group scales and
     # offsets as two float32 vectors (one lane per group, or per half with `split_halves`),
-    # decoded with vector instructions once per block instead of once per group
+    # decoded with vector instructions once per block instead of once per group; several
+    # blocks (`Row`s) give their lanes one block after another
     block_scales: Callable | None = None
     # where a super-block's codes sit as 32-byte runs whose low nibbles are one group's and
     # high nibbles the next group's (q4k): the VNNI tiles transpose the bytes once per pair

@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import add, reduce_lanes
+from . import int8_vnni_row
 from .int8_codes import LANES, Row, codes_of, group
 from .int8_ops import (
     MULT_LANES,
@@ -71,9 +72,9 @@ def gemv_kernel(
 
     `batch` is the static number of sequences, or None for a symbolic one (`batch_decode`).
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out). One sequence
-    gets the kernel below; more get the tiled kernel of `int8_batched`, whose column
-    tiles (`int8_columns`, or `int8_vnni` where `vnni`: the target has AVX-512 VNNI)
-    `column_tiles=False` turns off (benchmarks, tests).
+    gets the kernel below (`int8_vnni_row`'s where `vnni`: the target has AVX-512 VNNI);
+    more get the tiled kernel of `int8_batched`, whose column tiles (`int8_columns`, or
+    `int8_vnni` where `vnni`) `column_tiles=False` turns off (benchmarks, tests).
     """
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
@@ -81,6 +82,8 @@ def gemv_kernel(
         from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
+    if vnni and int8_vnni_row.applies(qtype, k):
+        return int8_vnni_row.row_kernel(qtype, n_out, k)
     if codes_of(qtype).block_scales is not None:
         return _block_row_kernel(qtype, n_out, k)
     return _row_kernel(qtype, n_out, k)

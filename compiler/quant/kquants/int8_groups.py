@@ -96,31 +96,59 @@ def _halves(lo: int, hi: int):
     )
 
 
-def _k4_block_scales(row: Row):
+def _blocks(per_block):
+    """`block_scales` of one block -> of several (`*rows`): lanes block after block."""
+
+    def scales(*rows: Row):
+        parts = [per_block(r) for r in rows]
+        if len(parts) == 1:
+            return parts[0]
+        lanes = len(parts) * 16  # (q2k, q6k: 16 scales per block)
+        return tuple(
+            tirx.Shuffle([p[i] for p in parts], [_c(j) for j in range(lanes)]) for i in range(2)
+        )
+
+    return scales
+
+
+def _k4_block_scales(*rows: Row):
     """q4k / q5k: the 8 sub-blocks' 6-bit scales and mins (bytes 4..15, llama.cpp's
     get_scale_min_k4 for all 8 at once: lanes 0-3 whole bytes, 4-7 a low nibble plus the
-    top 2 bits of another byte)."""
-    q = tirx.Cast("int32x16", row.vec(4, 16))  # bytes 4..19; lanes 0..11 are the scales
-    six = tirx.Broadcast(_c(6), 8)
-    four = tirx.Broadcast(_c(4), 8)
-    low = _halves(63, 15)
-    high = _halves(0, 48)
-    sc = (_pick(q, [0, 1, 2, 3, 8, 9, 10, 11]) & low) | (
-        ((_pick(q, [0, 1, 2, 3, 0, 1, 2, 3]) >> six) << four) & high
+    top 2 bits of another byte), for each of `rows` (super-blocks), 8 lanes after 8: two
+    blocks' decode in 16-lane instructions costs about what one block's did in 8 lanes."""
+    count = len(rows)
+    lanes = 8 * count
+    q = [tirx.Cast("int32x16", row.vec(4, 16)) for row in rows]  # lanes 0..11: the scales
+
+    def pick(idx):
+        return tirx.Shuffle(q, [_c(16 * b + i) for b in range(count) for i in idx])
+
+    def halves(lo, hi):
+        return tirx.Shuffle([_halves(lo, hi)] * count, [_c(i) for i in range(lanes)])
+
+    def per_block(values):
+        return tirx.Shuffle([tirx.Broadcast(v, 8) for v in values], [_c(i) for i in range(lanes)])
+
+    six = tirx.Broadcast(_c(6), lanes)
+    four = tirx.Broadcast(_c(4), lanes)
+    low = halves(63, 15)
+    high = halves(0, 48)
+    sc = (pick([0, 1, 2, 3, 8, 9, 10, 11]) & low) | (
+        ((pick([0, 1, 2, 3, 0, 1, 2, 3]) >> six) << four) & high
     )
-    mn = ((_pick(q, [4, 5, 6, 7, 8, 9, 10, 11]) >> _halves(0, 4)) & low) | (
-        ((_pick(q, [4, 5, 6, 7, 4, 5, 6, 7]) >> six) << four) & high
+    mn = ((pick([4, 5, 6, 7, 8, 9, 10, 11]) >> halves(0, 4)) & low) | (
+        ((pick([4, 5, 6, 7, 4, 5, 6, 7]) >> six) << four) & high
     )
-    d = tirx.Broadcast(row.half(0), 8)
-    dmin = tirx.Broadcast(-row.half(2), 8)
-    return d * tirx.Cast("float32x8", sc), dmin * tirx.Cast("float32x8", mn)
+    d = per_block([row.half(0) for row in rows])
+    dmin = per_block([-row.half(2) for row in rows])
+    return d * tirx.Cast(f"float32x{lanes}", sc), dmin * tirx.Cast(f"float32x{lanes}", mn)
 
 
 q4k_block_scales = _k4_block_scales
 q5k_block_scales = _k4_block_scales
 
 
-def q2k_block_scales(row: Row):
+def _q2k_scales(row: Row):
     """q2k: 16 bytes, a 4-bit scale (low nibble) and min (high) per 16 weights."""
     s = tirx.Cast("int32x16", row.vec(0, 16))
     d = tirx.Broadcast(row.half(80), 16)
@@ -130,8 +158,12 @@ def q2k_block_scales(row: Row):
     )
 
 
-def q6k_block_scales(row: Row):
+def _q6k_scales(row: Row):
     """q6k: 16 int8 scales per 16 weights at 192; the offset is the scale times -32."""
     s = tirx.Cast("int32x16", tirx.reinterpret("int8x16", row.vec(192, 16)))
     scales = tirx.Broadcast(row.half(208), 16) * tirx.Cast("float32x16", s)
     return scales, scales * tirx.Broadcast(tirx.const(-32.0, "float32"), 16)
+
+
+q2k_block_scales = _blocks(_q2k_scales)
+q6k_block_scales = _blocks(_q6k_scales)

@@ -1,0 +1,144 @@
+"""The VNNI one-row kernel's inner step for the legacy formats: 16 groups at a time.
+
+A legacy block is one 32-weight group with its own f16 scale at its start (q4_0, q4_1, q5_0,
+q5_1, q8_0: `Int8Codes.leading_scale`). Scaling each pair's 16 int32 lanes separately
+(`int8_vnni_row`'s K-quant step) costs, per pair, two scalar f16 loads and converts, a
+vector built from them, a permute to 16 lanes, a convert and an FMA, and the offsets' scalar
+FMAs: about 20 instructions per 64 weights for q8_0, most of them not the dot product. Here
+16 groups (8 `vpdpbusd`, one per pair) are summed down to one int32 lane per group by a tree
+of two-source permutes and integer adds (exact: a group's sum fits easily), and then one
+convert and one FMA apply the 16 groups' scales, read as one vector (one 32-bit word per
+block holds its f16 scale and what follows it, as `int8_columns.legacy_scales` reads 16
+rows'), times the activations' multipliers; one more FMA takes the 16 offsets.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tallow.compiler.quant.registry import get_format
+
+from ..tir_common import add, reduce_lanes
+from .int8_codes import LANES, codes_of
+from .int8_vnni import COLS, _vpdpbusd
+
+CHUNK = 16  # groups per step: one float lane each after the tree
+PAIR = 2 * LANES
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def applies(qtype: str) -> bool:
+    return codes_of(qtype).leading_scale is not None
+
+
+def _fold(a, b):
+    """Two int32x16 whose lanes come in runs of r per group -> one with runs of r / 2: the
+    even lanes of a then b, plus the odd ones (a permute each, an add)."""
+    evens = tirx.Shuffle([a, b], [_c(2 * i) for i in range(COLS)])
+    odds = tirx.Shuffle([a, b], [_c(2 * i + 1) for i in range(COLS)])
+    return evens + odds
+
+
+def group_sums(dots: list):
+    """8 int32x16 (pair p: lanes 0-7 group 2p, 8-15 group 2p + 1) -> int32x16, lane g the
+    sum of group g's 8 lanes."""
+    while len(dots) > 1:
+        dots = [_fold(dots[i], dots[i + 1]) for i in range(0, len(dots), 2)]
+    return dots[0]
+
+
+def group_scales(w, n, g0, count: int, qtype: str):
+    """(scales, offsets) of groups g0 .. g0 + count - 1 of row n, float32x16 (0 past count)."""
+    block_bytes = get_format(qtype).type_size
+    zero = tirx.const(0, "int32")
+    words = [
+        tirx.reinterpret("int32", w.vload([n, (g0 + i) * block_bytes], "uint8x4"))
+        if i < count
+        else zero
+        for i in range(CHUNK)
+    ]
+    halves = tirx.reinterpret(
+        f"float16x{2 * CHUNK}", tirx.Shuffle(words, [_c(i) for i in range(CHUNK)])
+    )
+    d = tirx.Cast("float32x16", tirx.Shuffle([halves], [_c(2 * i) for i in range(CHUNK)]))
+    shift = codes_of(qtype).leading_scale.code_shift  # q8_0's -128 is the VNNI flip's too
+    if shift is None:  # d, then the min
+        mins = tirx.Shuffle([halves], [_c(2 * i + 1) for i in range(CHUNK)])
+        return d, tirx.Cast("float32x16", mins)
+    return d, d * tirx.Broadcast(tirx.const(shift, "float32"), CHUNK)
+
+
+def nibble_pair_codes(w, qtype: str, n, g):
+    """uint8x64: codes of groups g, g + 1 of the formats with legacy nibbles (byte i: weight
+    i low, i + 16 high), and q5's fifth bits, built on 64 lanes at once: both blocks' 16 code
+    bytes placed twice, one and, one shift, one byte blend; the fifth bits as
+    `int8_vnni.fifth_bits_step` spreads them (a byte permute, a test, a masked 16). Built per
+    group and joined, the same codes took about twice the instructions (q5_0)."""
+    block_bytes = get_format(qtype).type_size
+    at, fifth_at = codes_of(qtype).nibble_codes_at, codes_of(qtype).fifth_bits_at
+    raw = [w.vload([n, (g + j) * block_bytes + at], "uint8x16") for j in range(2)]
+    twice = tirx.Shuffle(raw * 2, [_c(i % 16 + i // 32 * 16) for i in range(PAIR)])
+    low = twice & tirx.Broadcast(tirx.const(15, "uint8"), PAIR)
+    high = twice >> tirx.Broadcast(tirx.const(4, "uint8"), PAIR)
+    codes = tirx.Shuffle([low, high], [_c(i + (PAIR if i // 16 % 2 else 0)) for i in range(PAIR)])
+    if fifth_at is None:
+        return codes
+    words = [
+        tirx.reinterpret("int32", w.vload([n, (g + j) * block_bytes + fifth_at], "uint8x4"))
+        for j in range(2)
+    ]
+    bytes8 = tirx.reinterpret("uint8x8", tirx.Shuffle(words, [_c(0), _c(1)]))
+    spread = tirx.Shuffle([bytes8] * 8, [_c(i // 8) for i in range(PAIR)])
+    masks = tirx.Broadcast(tirx.const(1, "uint8"), PAIR) << tirx.Cast(
+        "uint8x64", tirx.Ramp(_c(0), 1, PAIR) % 8
+    )
+    bits = tirx.Select(
+        (spread & masks) == masks,
+        tirx.Broadcast(tirx.const(16, "uint8"), PAIR),
+        tirx.Broadcast(tirx.const(0, "uint8"), PAIR),
+    )
+    return codes | bits
+
+
+def dot_macro(qtype: str, groups: int, pair_codes):
+    """A macro: row `n`'s result into `out[0, 0, n]` (arguments as `int8_vnni_row`'s); `sums`
+    and `xmf` must hold zeros up to the next multiple of 16 groups."""
+    full, tail = divmod(groups, CHUNK)
+    if codes_of(qtype).nibble_codes_at is not None:
+        pair_codes = nibble_pair_codes
+
+    def chunk(w, n, g0, count: int, xq, sums, xmf):
+        dots = [
+            _vpdpbusd(
+                tirx.Broadcast(_c(0), COLS),
+                pair_codes(w, qtype, n, g0 + 2 * p),
+                xq.vload([0, (g0 + 2 * p) * LANES], "int8x64"),
+            )
+            for p in range(count // 2)
+        ]
+        dots += [tirx.Broadcast(_c(0), COLS)] * (CHUNK // 2 - len(dots))
+        scales, offsets = group_scales(w, n, g0, count, qtype)
+        dot = tirx.Cast("float32x16", group_sums(dots)) * (scales * xmf[tirx.Ramp(g0, 1, CHUNK)])
+        return dot, offsets * sums[tirx.Ramp(g0, 1, CHUNK)]
+
+    @T.macro
+    def dot_row(w, n, xq, xr, sums, xmf, out):
+        acc = T.sblock_alloc_buffer((2 * CHUNK,), "float32")  # dot products, offsets
+        acc[T.Ramp(0, 1, 2 * CHUNK)] = T.Broadcast(T.float32(0), 2 * CHUNK)
+        for c in range(full):
+            step = T.meta_var(chunk(w, n, c * CHUNK, CHUNK, xq, sums, xmf))
+            acc[T.Ramp(0, 1, CHUNK)] = acc[T.Ramp(0, 1, CHUNK)] + step[0]
+            acc[T.Ramp(CHUNK, 1, CHUNK)] = acc[T.Ramp(CHUNK, 1, CHUNK)] + step[1]
+        if tail > 0:
+            last = T.meta_var(chunk(w, n, full * CHUNK, tail, xq, sums, xmf))
+            acc[T.Ramp(0, 1, CHUNK)] = acc[T.Ramp(0, 1, CHUNK)] + last[0]
+            acc[T.Ramp(CHUNK, 1, CHUNK)] = acc[T.Ramp(CHUNK, 1, CHUNK)] + last[1]
+        out[0, 0, n] = xr[0] * reduce_lanes(acc[T.Ramp(0, 1, CHUNK)], CHUNK, add) + reduce_lanes(
+            acc[T.Ramp(CHUNK, 1, CHUNK)], CHUNK, add
+        )
+
+    return dot_row

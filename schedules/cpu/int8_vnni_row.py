@@ -1,0 +1,275 @@
+"""`decode`'s one-row int8 kernel for CPUs with AVX-512 VNNI: two groups per `vpdpbusd`.
+
+The AVX2 row kernel of `int8_gemv` spends, per 32-weight group, a `pmaddubsw`, a `pmaddwd` by
+the activations' multiplier `m`, a convert and an FMA with a scale broadcast to 8 lanes (plus
+q8_0's sign trick): on 256-bit vectors, about 6 vector instructions per 32 weights besides
+the codes' unpacking. Here two groups' codes are joined in one 512-bit vector and a single
+`vpdpbusd` multiplies their 64 unsigned codes by the 64 int8 activations, summing each lane's
+4 products straight to int32 (no int16 stage, so q8_0's signed codes just flip to
+`code + 128`, the `-128 * d` joining the offsets, as in `int8_vnni`). `m` moves from the
+integer product into the float scale: per pair of groups one 16-lane vector holds each
+lane's weight scale times its group's `m` (`xmf`, kept as float per scale slot by the
+quantize step), and one convert and one FMA take the pair into a 16-lane accumulator. The
+K-quants multiply a super-block's decoded scales (`Int8Codes.block_scales`) by `xmf` once
+per block and pick each pair's 16 lanes from that with one permute.
+
+Numerics: the same dot product of the dequantized weights with the same rounded activations;
+only where `m` meets the sum differs (a float product instead of an int32 one), a float32
+rounding within the tests' bound.
+
+Also: q4k's pairs are the low and the high nibbles of one 64-byte load (groups 4i, 4i+2 and
+4i+1, 4i+3: the activations are copied once per call into that order, `xp`), two super-blocks'
+scales decode as one 16-lane vector, and the K-quants prefetch the row 4 KiB ahead (the
+hardware prefetchers alone left the q6k head at 15-17 GB/s cold against 28 in cache).
+
+Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
+loads) -> 44 (two blocks' scales). Weights from memory, one thread, CPU time, best of 7-11
+interleaved rounds (`benchmarks/gemv_bandwidth.py`; shared machine, load 7-10, so +-20%),
+GB/s of weight bytes, AVX2 row kernel -> this one: q4k 16384 x 2048 13.7 -> 17.6-19.6,
+q4k 2048 x 8192 17.9 -> 20.4 (one run: 14.4 both); q6k 128256 x 2048 (Llama 3.2's head)
+15.8-17.1 -> 19.5-22.3; q8_0 151936 x 896 (Qwen2.5's head) 13.7-19.6 -> 19.6-25.6; q5_0
+9728 x 896 10.1-11.1 -> 12.3-13.4. In cache (1 MB, one thread) q4k runs at 22 GB/s, q6k 28,
+q8_0 37, q5_0 14: q4k and q5_0 are bound by instructions, the others by memory.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tallow.compiler.quant.registry import get_format
+
+from ..tir_common import add, prefetch, reduce_lanes
+from . import int8_vnni_legacy
+from .int8_codes import LANES, Row, codes_of, group
+from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
+from .int8_vnni import COLS, _vpdpbusd
+
+PAIR = 2 * LANES  # weights per vpdpbusd: two groups
+AHEAD = 4096  # bytes
+
+
+def _c(i: int):
+    return tirx.const(i, "int32")
+
+
+def applies(qtype: str, k: int) -> bool:
+    """Whether rows of length `k` split into whole pairs of groups (else the AVX2 kernel)."""
+    return k % PAIR == 0 and get_format(qtype).block_size % PAIR in (0, LANES)
+
+
+def pair_codes(w, qtype: str, n, g):
+    """uint8x64: the codes of groups g and g + 1 of row n, as `vpdpbusd`'s unsigned operand."""
+    lo, hi = group(w, qtype, n, g).codes, group(w, qtype, n, g + 1).codes
+    joined = tirx.Shuffle([lo, hi], [_c(i) for i in range(PAIR)])
+    if codes_of(qtype).signed:  # int8 codes as code + 128: flip each byte's sign bit
+        return tirx.reinterpret("uint8x64", joined) ^ tirx.Broadcast(
+            tirx.const(0x80, "uint8"), PAIR
+        )
+    return tirx.reinterpret("uint8x64", joined)
+
+
+def spread(scales, slots: int):
+    """float32x16 from `slots` scales (2 groups x halves): lane i covers weights 4i..4i+3."""
+    per = COLS // slots
+    # (a shuffle gives at most as many lanes as its inputs hold)
+    return tirx.Shuffle([scales] * per, [_c(i // per) for i in range(COLS)])
+
+
+def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
+    """`out[0, 0, :] = x[0, 0, :] @ dequantize(w)^T`, one sequence (see the module doc)."""
+    fmt = get_format(qtype)
+    groups = k // LANES
+    rb = fmt.row_bytes(k)
+    halves = offset_halves(qtype)
+    slots = groups * halves
+    quantize = quantize_macro(groups, halves)
+    padded = -(-slots // int8_vnni_legacy.CHUNK) * int8_vnni_legacy.CHUNK  # vector tail reads
+    nibble_pairs = codes_of(qtype).nibble_pairs_at is not None and fmt.block_size % 256 == 0
+
+    def source_group(g):
+        """The group whose activations go to slot `g` of `xp`: q4k's pairs are groups 4i, 4i+2
+        and 4i+1, 4i+3 of each block (the low and the high nibbles of one 64-byte load)."""
+        if not nibble_pairs:
+            return g
+        return g // 4 * 4 + g % 2 * 2 + g // 2 % 2
+
+    if int8_vnni_legacy.applies(qtype):
+        dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
+    elif codes_of(qtype).block_scales is not None and fmt.block_size % PAIR == 0:
+        dot_row = _block_dot_macro(qtype, groups, halves, ahead)
+    else:
+        dot_row = _pair_dot_macro(qtype, groups, halves)
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemv(
+        x: T.Buffer((1, 1, k), "float32"),
+        w: T.Buffer((n_out, rb), "uint8"),
+        out: T.Buffer((1, 1, n_out), "float32"),
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        xq = T.sblock_alloc_buffer((1, k), "int8")
+        xp = T.sblock_alloc_buffer((1, k), "int8")  # xq's groups in the kernel's pair order
+        xm = T.sblock_alloc_buffer((1, groups * MULT_LANES), "int16")
+        xr = T.sblock_alloc_buffer((1,), "float32")
+        xs = T.sblock_alloc_buffer((slots, 1), "float32")
+        sums = T.sblock_alloc_buffer((padded,), "float32")  # xs, for vector loads
+        xmf = T.sblock_alloc_buffer((padded,), "float32")  # m per scale slot, as float
+        with T.sblock("quantize"):
+            T.reads(x[0, 0, 0:k])
+            T.writes(xq[0, 0:k], xp[0, 0:k], xm[0, :], xr[0], xs[:, 0], sums[:], xmf[:])
+            quantize(x, 0, xq, xm, xr, xs)
+            for g in range(groups):
+                src: T.let[T.int32] = source_group(g)
+                xp[0, T.Ramp(g * LANES, 1, LANES)] = xq[0, T.Ramp(src * LANES, 1, LANES)]
+            for i in range(slots):
+                sums[i] = xs[i, 0]
+                xmf[i] = T.Cast("float32", xm[0, i // halves * MULT_LANES])
+            for i in range(padded - slots):
+                sums[slots + i] = T.float32(0)
+                xmf[slots + i] = T.float32(0)
+        for nc in T.parallel(n_out // N_CHUNK):
+            for ni in range(N_CHUNK):
+                with T.sblock("dot"):
+                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
+                    T.writes(out[0, 0, nc * N_CHUNK + ni])
+                    dot_row(w, nc * N_CHUNK + ni, xp, xr, sums, xmf, out)
+
+    return gemv
+
+
+def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
+    """Row `n` of a K-quant: per super-block, its scales times `xmf` once, then per pair a
+    permute, a `vpdpbusd`, a convert and an FMA; the offsets in one vector FMA per block."""
+    fmt = get_format(qtype)
+    per_block = fmt.block_size // LANES
+    blocks = groups // per_block
+    width = per_block * halves
+    block_scales = codes_of(qtype).block_scales
+
+    lines = (2 * fmt.type_size + 63) // 64 if ahead else 0  # per step, at most 2 blocks
+
+    def prefetch_ahead(w, n, byte):
+        return prefetch(tirx.address_of(w[n, byte + ahead]))
+
+    # two super-blocks a step where the row has an even number: their scales decode as one
+    # vector of twice the lanes (q4k: 16-lane instructions instead of two 8-lane runs)
+    step = 2 if blocks % 2 == 0 else 1
+    sw = width * step  # scale lanes per step
+    pairs = step * per_block // 2
+
+    def row_scales(w, n, b):
+        return block_scales(*[Row(w, n, (b * step + i) * fmt.type_size) for i in range(step)])
+
+    pairs_at = codes_of(qtype).nibble_pairs_at if fmt.block_size % 256 == 0 else None
+
+    def pair_scales(ss, p):
+        if pairs_at is not None:  # groups 4i + j and 4i + j + 2 (j = p % 2, i = p // 2)
+            return spread(ss[T.Ramp(p // 2 * 4 + p % 2, 2, 2)], 2)
+        return spread(ss[T.Ramp(p * 2 * halves, 1, 2 * halves)], 2 * halves)
+
+    def codes(w, n, b, p):
+        if pairs_at is not None:  # one 64-byte load: low nibbles, or high, of 4 runs of 32
+            v = w.vload([n, b * fmt.type_size + pairs_at + p // 2 * 64], "uint8x64")
+            return (v >> tirx.Broadcast(tirx.Cast("uint8", p % 2 * 4), PAIR)) & tirx.Broadcast(
+                tirx.const(15, "uint8"), PAIR
+            )
+        return pair_codes(w, qtype, n, b * per_block + p * 2)
+
+    @T.macro
+    def dot_row(w, n, xq, xr, sums, xmf, out):
+        # stack arrays (see int8_ops.quantize_macro): two 16-lane chains, offsets, scales
+        acc = T.sblock_alloc_buffer((2 * COLS,), "float32")
+        off = T.sblock_alloc_buffer((sw,), "float32")
+        ss = T.sblock_alloc_buffer((sw,), "float32")
+        acc[T.Ramp(0, 1, 2 * COLS)] = T.Broadcast(T.float32(0), 2 * COLS)
+        off[T.Ramp(0, 1, sw)] = T.Broadcast(T.float32(0), sw)
+        for b in range(blocks // step):
+            for j in T.unroll(lines * step // 2):
+                T.evaluate(prefetch_ahead(w, n, b * step * fmt.type_size + j * 64))
+            scales = T.meta_var(row_scales(w, n, b))
+            ss[T.Ramp(0, 1, sw)] = scales[0] * xmf[T.Ramp(b * sw, 1, sw)]
+            off[T.Ramp(0, 1, sw)] = off[T.Ramp(0, 1, sw)] + scales[1] * sums[T.Ramp(b * sw, 1, sw)]
+            for p in T.unroll(pairs):
+                g: T.let[T.int32] = b * step * per_block + p * 2
+                dots: T.let[T.int32x16] = _vpdpbusd(
+                    T.Broadcast(T.int32(0), COLS),
+                    codes(w, n, b * step + p // (per_block // 2), p % (per_block // 2)),
+                    xq.vload([0, g * LANES], "int8x64"),
+                )
+                acc[T.Ramp(p % 2 * COLS, 1, COLS)] = acc[T.Ramp(p % 2 * COLS, 1, COLS)] + T.Cast(
+                    "float32x16", dots
+                ) * pair_scales(ss, p)
+        out[0, 0, n] = xr[0] * reduce_lanes(
+            acc[T.Ramp(0, 1, COLS)] + acc[T.Ramp(COLS, 1, COLS)], COLS, add
+        ) + reduce_lanes(off[T.Ramp(0, 1, sw)], sw, add)
+
+    return dot_row
+
+
+def _pair_dot_macro(qtype: str, groups: int, halves: int):
+    """Row `n` of a 32-weight-block format (or a K-quant without vector block scales): per
+    pair of groups their scales (times `xmf`) spread to 16 lanes, a `vpdpbusd`, a convert and
+    an FMA; the offsets as scalar FMAs on two chains."""
+    signed = codes_of(qtype).signed
+    pairs = groups // 2
+    slots = 2 * halves  # scales per pair
+
+    def pair_scales(w, n, g, xmf):
+        parts = []
+        for j in range(2):
+            grp = group(w, qtype, n, g + j)
+            parts += [grp.scale_lo, grp.scale_hi][:halves]
+        vec = tirx.Shuffle([tirx.Broadcast(s, 2) for s in parts], [_c(2 * i) for i in range(slots)])
+        return spread(vec * xmf[T.Ramp(g * halves, 1, slots)], slots)
+
+    def pair_offset(w, n, g, sums):
+        total = None
+        for j in range(2):
+            grp = group(w, qtype, n, g + j)
+            if signed:  # code + 128: the shift times the scale
+                terms = [(grp.scale_lo * -128.0, 0)]
+            else:
+                terms = [(grp.offset_lo, 0), (grp.offset_hi, 1)][:halves]
+            for o, h in terms:
+                t = o * sums[(g + j) * halves + h]
+                total = t if total is None else total + t
+        return total
+
+    @T.macro
+    def dot_row(w, n, xq, xr, sums, xmf, out):
+        acc = T.sblock_alloc_buffer((2 * COLS,), "float32")
+        off = T.sblock_alloc_buffer((2,), "float32")
+        acc[T.Ramp(0, 1, 2 * COLS)] = T.Broadcast(T.float32(0), 2 * COLS)
+        off[0] = T.float32(0)
+        off[1] = T.float32(0)
+        for pu in range(pairs // 2):
+            for u in T.unroll(2):
+                g: T.let[T.int32] = (pu * 2 + u) * 2
+                dots: T.let[T.int32x16] = _vpdpbusd(
+                    T.Broadcast(T.int32(0), COLS),
+                    pair_codes(w, qtype, n, g),
+                    xq.vload([0, g * LANES], "int8x64"),
+                )
+                acc[T.Ramp(u * COLS, 1, COLS)] = acc[T.Ramp(u * COLS, 1, COLS)] + T.Cast(
+                    "float32x16", dots
+                ) * pair_scales(w, n, g, xmf)
+                off[u] = off[u] + pair_offset(w, n, g, sums)
+        if pairs % 2 == 1:
+            gl: T.let[T.int32] = (pairs - 1) * 2
+            last: T.let[T.int32x16] = _vpdpbusd(
+                T.Broadcast(T.int32(0), COLS),
+                pair_codes(w, qtype, n, gl),
+                xq.vload([0, gl * LANES], "int8x64"),
+            )
+            acc[T.Ramp(0, 1, COLS)] = acc[T.Ramp(0, 1, COLS)] + T.Cast(
+                "float32x16", last
+            ) * pair_scales(w, n, gl, xmf)
+            off[0] = off[0] + pair_offset(w, n, gl, sums)
+        out[0, 0, n] = (
+            xr[0] * reduce_lanes(acc[T.Ramp(0, 1, COLS)] + acc[T.Ramp(COLS, 1, COLS)], COLS, add)
+            + off[0]
+            + off[1]
+        )
+
+    return dot_row
