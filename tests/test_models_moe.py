@@ -142,11 +142,12 @@ def round_expert_inputs(hf, nudge: float = 0.0) -> None:
 
 
 # Float32 noise before the rounding: our expert inputs differ from transformers' by float32
-# summation order and the fast SiLU's rounding (float32-sized: a few 1e-7 relative), so an activation within that of a rounding boundary can get the next int8 code on one side
-# only, a change of one code step (1/127 of its group's largest value), not float32-sized.
-# The tolerance for that is measured on the oracle itself: its logits with the expert inputs
-# nudged by 1e-5 of their group's largest value before rounding (far above that noise, so at
-# least as many codes flip) against its logits without.
+# summation order and the fast SiLU's rounding (float32-sized), so an activation within that
+# of a rounding boundary can get the next int8 code on one side only: a change of one code
+# step (1/127 of its group's largest value), not float32-sized. The tolerance for that is
+# measured on the oracle itself: its logits with the expert inputs nudged by 1e-5 of their
+# group's largest value before rounding (far above float32 noise, so at least as many codes
+# flip) against its logits without.
 ROUNDING_NUDGE = 1e-5
 
 
