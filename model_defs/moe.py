@@ -12,6 +12,8 @@ Expert weights are stored stacked, one parameter per projection: `experts.gate_p
 `experts.up_proj` [experts * width, hidden], `experts.down_proj` [experts * hidden, width]
 (a GGUF `ffn_*_exps` tensor is that stack already). Each is float or one GGUF block type
 (uint8 [rows, row_bytes]), dequantized inside the grouped matmul, never stored as float.
+On CPUs with AVX-512 VNNI a float32 model's quantized stacks take int8 activations instead
+(`schedules/cpu/moe_int8.py`, the dense layers' tiles), as the dense int8 passes do.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ def _grouping():
 
 def _build(qtype: str, k: int):
     kernels = {
-        name: moe_int8.grouped_int8_kernel(EXPERTS, N_OUT, k, qtype, gather)
-        for name, gather in (("gather", True), ("in_order", False))
+        # gate/up as in decode, one column block per task; down as in prefill, two
+        "gather": moe_int8.grouped_int8_kernel(EXPERTS, N_OUT, k, qtype, True),
+        "in_order": moe_int8.grouped_int8_kernel(EXPERTS, N_OUT, k, qtype, False, wide_rows=1),
     }
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in kernels.items()})
     with TARGET:
