@@ -25,7 +25,8 @@ turned into floats). This kernel gives the experts the same machinery, imported,
 
 Decode (a row or two per expert) takes the same tiles with short row counts: a group's codes
 are transposed once per 16 columns whatever the row count, still cheaper than decoding them
-to float.
+to float: 4 tokens at Qwen3-30B-A3B's shapes (30 experts active), one thread, gate q4_0
+8.7 -> 3.1 ms, q4k 34.4 -> 3.8 ms (docs/benchmarks.md).
 
 Numerics: each row's outputs are its rounded activations times the dequantized weights, the
 same numbers the dense int8 kernels give a row (tests: `tests/test_moe_int8.py`, numpy on
