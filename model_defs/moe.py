@@ -12,6 +12,8 @@ Expert weights are stored stacked, one parameter per projection: `experts.gate_p
 `experts.up_proj` [experts * width, hidden], `experts.down_proj` [experts * hidden, width]
 (a GGUF `ffn_*_exps` tensor is that stack already). Each is float or one GGUF block type
 (uint8 [rows, row_bytes]), dequantized inside the grouped matmul, never stored as float.
+On CPUs with AVX-512 VNNI a float32 model's quantized stacks take int8 activations instead
+(`schedules/cpu/moe_int8.py`, the dense layers' tiles), as the dense int8 passes do.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class MoEMLP(nn.Module):
         self.normalise = config.norm_topk_prob
         self.dtype = dtype
         self.gpu = _is_gpu(target)
+        self.target = target
         e, h, w = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.hidden, self.width = e, h, w
         self.gate = nn.Linear(h, e, bias=False, dtype=dtype)  # the router
@@ -64,6 +67,7 @@ class MoEMLP(nn.Module):
         self.experts = MoEExperts(e, h, w, dtype, types)
 
     def forward(self, x: Tensor) -> Tensor:
+        from tallow.schedules.cpu import moe_int8
         from tallow.schedules.moe import (
             combine_kernel,
             group_kernel,
@@ -98,9 +102,13 @@ class MoEMLP(nn.Module):
 
         def grouped(inp: Tensor, name: str, n_out: int, k_dim: int, gather: bool) -> Tensor:
             qtype = self.experts.types[name]
-            kernel = grouped_matmul_kernel(
-                e, n_out, k_dim, qtype, self.dtype, self.dtype, gather, self.gpu
-            )
+            if self.dtype == "float32" and moe_int8.supports(qtype, n_out, k_dim, self.target):
+                # AVX-512 VNNI: int8 activations, as the dense layers' int8 passes give them
+                kernel = moe_int8.grouped_int8_kernel(e, n_out, k_dim, qtype, gather)
+            else:
+                kernel = grouped_matmul_kernel(
+                    e, n_out, k_dim, qtype, self.dtype, self.dtype, gather, self.gpu
+                )
             return op.tensor_ir_op(
                 kernel,
                 # kernels of one shape and format are one function (gate and up share it)

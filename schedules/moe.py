@@ -18,7 +18,8 @@ A step's `T` tokens each pick `K` experts: `N = T * K` pairs.
   projection, whose input is already in sorted order) for the rows r of every active expert
   e, with W the stacked [E * n, k] weight, float or GGUF blocks (dequantized inside, never
   stored as float). Experts without rows cost nothing; each active expert's weights are
-  read (and decoded) once per step, whatever its row count.
+  read (and decoded) once per step, whatever its row count. (AVX-512 VNNI CPUs: int8
+  activations for quantized stacks, `cpu/moe_int8.py`.)
 
 CPU schedule of the grouped matmul: the output columns in chunks on the thread pool (every
 thread walks every active expert, so the work splits evenly whichever experts are picked);
