@@ -131,14 +131,14 @@ def batched_kernel(
                 with T.sblock("dot_vnni"):
                     T.reads(
                         w[nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS, 0:rb],
-                        xq[:, :],
+                        xq[:, :, :],
                         steps[:, :],
                         xs[:, :],
                     )
                     T.writes(out[:, 0, nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS])
                     r0: T.let[T.int64] = rt * vnni_columns.ROWS
                     rows: T.let[T.int64] = T.min(B - r0, vnni_columns.ROWS)
-                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, out)
+                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, out, r0, nb * VNNI_COLS)
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
@@ -177,7 +177,8 @@ def batched_kernel(
                 for h in T.unroll(halves):
                     xs[g * halves + h, B + r] = T.float32(0)
         if vnni:
-            vnni_tiles(w, xq, steps, xs, out)
+            xq_groups = T.decl_buffer((padded, groups, LANES), "int8", data=xq.data)
+            vnni_tiles(w, xq_groups, steps, xs, out)
         elif use_columns:
             if min_columns <= B:
                 column_tiles(w, xq, xm, xr, xs, out)
