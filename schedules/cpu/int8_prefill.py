@@ -12,15 +12,17 @@ and serves `ROWS` token rows with it.
   numbers `batch_decode` uses for the same row: prefill and decode round alike;
 * the output columns run on the thread pool in blocks of 16, each block over all tokens in
   tiles of `ROWS` rows (a block's weights stay in L1/L2 across its row tiles);
-* tiles of 64 rows, not decode's 16: the weights' transpose (for q6k, decoding a group's
-  16 columns cost as much as its 16 rows of `vpdpbusd`) is shared by 4 times the rows;
-* so that a tile's 64 rows do not become 64 memory streams 2-8 KiB apart (the prefetchers
+* tiles of 128 rows, not decode's 16: the weights' transpose (for q6k, decoding a group's
+  16 columns cost as much as its 16 rows of `vpdpbusd`) is shared by 8 times the rows
+  (64 -> 128 rows, in-process A/B, one thread: q4k 2048 -> 16384 130 -> 122 ms, q6k
+  8192 -> 2048 100 -> 87 ms);
+* so that a tile's rows do not become 64-128 memory streams 2-8 KiB apart (the prefetchers
   lost track: q4k 8192 -> 2048 got slower with 64 rows), the codes are copied once more
-  by tile, group, row (`xt`: a group's 64 rows are 2 KiB in a row, a tile reads one
+  by tile, group, row (`xt`: a group's 128 rows are 4 KiB in a row, a tile reads one
   stream), and `steps` is kept group-major as `xs` already is; a tile's sums go to a compact
   array (`out`'s rows are a power of two apart: 64 of them shared a few L1 sets).
 
-500 tokens, one thread, CPU time, 16-row tiles -> this (load about 10 on the 2 cores, so
+500 tokens, one thread, CPU time, 16-row tiles -> 64-row ones (load about 10 on the 2 cores, so
 noisy): q4k 2048 -> 16384 176 -> 126 ms, q4k 8192 -> 2048 118 -> 81 ms, q6k 8192 -> 2048
 255 -> 115 ms. A Llama-3.2-1B-shaped Q4_K_M file's 500-token prefill, one thread, CPU time
 in its kernels: 7.9 -> 6.2 s (gate/up 2.91 -> 2.41 s, q6k down 2.21 -> 1.25 s).
@@ -44,7 +46,7 @@ from .int8_codes import LANES
 from .int8_ops import MULT_LANES, offset_halves, quantize_macro
 
 COLS = int8_vnni.COLS  # output columns per tile and per parallel task
-ROWS = 64  # token rows sharing one transposed group of codes
+ROWS = 128  # token rows sharing one transposed group of codes
 
 
 def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):

@@ -186,6 +186,11 @@ def tile_macro(qtype: str, groups: int):
 
         return block_tile_macro(qtype, groups, update, prefetch_group)
 
+    if codes_of(qtype).six_bit_at is not None:
+        from .int8_vnni_sixbit import six_bit_tile_macro  # (it imports this module)
+
+        return six_bit_tile_macro(qtype, groups, update, prefetch_group, store_scales)
+
     def legacy_scale(sc):
         return lambda h: sc.vload([h * COLS], "float32x16")
 
