@@ -138,8 +138,8 @@ def tile_macro(qtype: str, groups: int):
     Arguments: the weight buffer, `n0`, `r0`, `rows`, the int8 activations `xq` ([rows,
     groups, 32]), `steps` (float32 [rows, groups]: each group's multiplier times the row's
     step), the activation sums `xs` (as in `int8_ops`), then where the sums go: `acc[a0 + r,
-    0, c0 : c0 + 16]` for row `r0 + r` (`batch_decode`: `out`, `r0`, `n0`; prefill: a
-    compact array of the tile's rows).
+    0, c0 : c0 + 16]` for row `r0 + r` (both callers pass a compact array of the tile's
+    rows and copy it to `out`, whose rows alias in L1 at power-of-two widths).
     """
     halves = offset_halves(qtype)
     per_scale = STEPS // halves  # steps under one weight scale
@@ -199,10 +199,9 @@ def tile_macro(qtype: str, groups: int):
 
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0):
-        # the sums accumulate in the caller's `acc` (decode: `out` itself, whose 16 columns
-        # of the tile's rows stay in L1), so a tile takes any number of rows: a stack array
-        # of its own stops at 1 KiB (16 x 16 floats), past which TVM calls its workspace
-        # allocator once per tile
+        # the sums accumulate in the caller's `acc`, so a tile takes any number of rows: a
+        # stack array of its own stops at 1 KiB (16 x 16 floats), past which TVM calls its
+        # workspace allocator
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
         for r in range(rows):
