@@ -30,9 +30,10 @@ def _build(func):
 @needs_vnni
 @pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_prefill_matches_numpy(qtype):
-    """Every format, `[1, tokens, K]`: token counts below one 16-row tile, a whole one plus a
-    rest (37 = 2 x 16 + 5), and 64 output columns (four parallel blocks); each token row is
-    the product of its rounded activations, so also equal to `batch_decode`'s kernel."""
+    """Every format, `[1, tokens, K]`: token counts below one 128-row tile (3, 37) and a
+    whole one plus a rest (133 = 128 + 5), and 64 output columns (four parallel blocks); each
+    token row is the product of its rounded activations, so also equal to `batch_decode`'s
+    kernel."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=31)
@@ -41,7 +42,7 @@ def test_prefill_matches_numpy(qtype):
     decode = None
     if qtype in SAME_AS_DECODE:
         decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
-    for tokens in (3, 37):
+    for tokens in (3, 37, 133):
         x = _activations(tokens, k, seed=32 + tokens)
         out = tvm.runtime.empty((1, tokens, n), "float32")
         lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)

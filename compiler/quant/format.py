@@ -77,6 +77,10 @@ class Int8Codes:
     # where a super-block's codes sit as 32-byte runs whose low nibbles are one group's and
     # high nibbles the next group's (q4k): the VNNI tiles transpose the bytes once per pair
     nibble_pairs_at: int | None = None
+    # q6k: where a super-block's low-nibble bytes and its high-bit bytes start (per 128
+    # weights, 64 bytes of nibbles: groups j and j + 2 in bytes 32j.., and 32 bytes of top
+    # bits: bits 2j, 2j + 1 for group j); the VNNI tiles transpose 3 runs per 4 groups
+    six_bit_at: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -131,14 +131,21 @@ def batched_kernel(
                 with T.sblock("dot_vnni"):
                     T.reads(
                         w[nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS, 0:rb],
-                        xq[:, :],
+                        xq[:, :, :],
                         steps[:, :],
                         xs[:, :],
                     )
                     T.writes(out[:, 0, nb * VNNI_COLS : nb * VNNI_COLS + VNNI_COLS])
                     r0: T.let[T.int64] = rt * vnni_columns.ROWS
                     rows: T.let[T.int64] = T.min(B - r0, vnni_columns.ROWS)
-                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, out)
+                    # a compact array for the sums: `out`'s rows are a power of two apart
+                    # for most widths (L1 set conflicts; 1 KiB: from TVM's workspace pool)
+                    acc = T.sblock_alloc_buffer((vnni_columns.ROWS, 1, VNNI_COLS), "float32")
+                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, acc, 0, 0)
+                    for r in range(rows):
+                        out[r0 + r, 0, T.Ramp(nb * VNNI_COLS, 1, VNNI_COLS)] = acc[
+                            r, 0, T.Ramp(0, 1, VNNI_COLS)
+                        ]
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
@@ -177,7 +184,8 @@ def batched_kernel(
                 for h in T.unroll(halves):
                     xs[g * halves + h, B + r] = T.float32(0)
         if vnni:
-            vnni_tiles(w, xq, steps, xs, out)
+            xq_groups = T.decl_buffer((padded, groups, LANES), "int8", data=xq.data)
+            vnni_tiles(w, xq_groups, steps, xs, out)
         elif use_columns:
             if min_columns <= B:
                 column_tiles(w, xq, xm, xr, xs, out)

@@ -133,11 +133,13 @@ def fifth_bits_step(words, s: int):
 
 
 def tile_macro(qtype: str, groups: int):
-    """A macro: columns `n0..n0+15` for `rows` (<= ROWS) sequences from `r0`, the whole K.
+    """A macro: columns `n0..n0+15` for `rows` sequences from `r0`, the whole K.
 
-    Arguments: the weight buffer, the int8 activations `xq`, `steps` (float32 [rows, groups]:
-    each group's multiplier times the row's step), the activation sums `xs` (as in
-    `int8_ops`), then `out`.
+    Arguments: the weight buffer, `n0`, `r0`, `rows`, the int8 activations `xq` ([rows,
+    groups, 32]), `steps` (float32 [rows, groups]: each group's multiplier times the row's
+    step), the activation sums `xs` (as in `int8_ops`), then where the sums go: `acc[a0 + r,
+    0, c0 : c0 + 16]` for row `r0 + r` (both callers pass a compact array of the tile's
+    rows and copy it to `out`, whose rows alias in L1 at power-of-two widths).
     """
     halves = offset_halves(qtype)
     per_scale = STEPS // halves  # steps under one weight scale
@@ -151,8 +153,9 @@ def tile_macro(qtype: str, groups: int):
         return prefetch(tirx.address_of(w[tirx.min(n, w.shape[0] - 1), byte]))
 
     def broadcast(xq, row, g, s):
-        """Activations 4s..4s+3 of the group, in every 32-bit lane."""
-        word = tirx.reinterpret("int32", xq.vload([row, g * LANES + s * 4], "int8x4"))
+        """Activations 4s..4s+3 of the group, in every 32-bit lane (`xq` is [rows, groups,
+        32]: a prefill tile's view puts a group's rows next to each other)."""
+        word = tirx.reinterpret("int32", xq.vload([row, g, s * 4], "int8x4"))
         return tirx.Broadcast(word, COLS)
 
     def update(ct, scale_of, offset_of, xq, steps, xs, row, g):
@@ -183,6 +186,11 @@ def tile_macro(qtype: str, groups: int):
 
         return block_tile_macro(qtype, groups, update, prefetch_group)
 
+    if codes_of(qtype).six_bit_at is not None:
+        from .int8_vnni_sixbit import six_bit_tile_macro  # (it imports this module)
+
+        return six_bit_tile_macro(qtype, groups, update, prefetch_group, store_scales)
+
     def legacy_scale(sc):
         return lambda h: sc.vload([h * COLS], "float32x16")
 
@@ -190,17 +198,14 @@ def tile_macro(qtype: str, groups: int):
         return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
 
     @T.macro
-    def tile(w, n0, r0, rows, xq, steps, xs, out):
-        # stack arrays (not "local", see int8_ops.quantize_macro). The sums are two
-        # arrays of 8 sequences: one of 16 x 16 floats is 1 KiB, where TVM stops using the
-        # stack and calls its workspace allocator, once per tile
-        acc = T.sblock_alloc_buffer((HALF * COLS,), "float32")
-        acc_hi = T.sblock_alloc_buffer((HALF * COLS,), "float32")
+    def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0):
+        # the sums accumulate in the caller's `acc`, so a tile takes any number of rows: a
+        # stack array of its own stops at 1 KiB (16 x 16 floats), past which TVM calls its
+        # workspace allocator
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
-        for i in T.unroll(HALF):
-            acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
-            acc_hi[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        for r in range(rows):
+            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for g in range(groups):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
@@ -214,19 +219,10 @@ def tile_macro(qtype: str, groups: int):
             ct[T.Ramp(96, 1, 16)] = tr[6]
             ct[T.Ramp(112, 1, 16)] = tr[7]
             store_scales(sc, w, n0, g)
-            for r in range(T.min(rows, HALF)):
+            for r in range(rows):
                 upd = T.meta_var(
                     update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
                 )
-                acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd
-            for r in range(rows - HALF):
-                upd_hi = T.meta_var(
-                    update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + HALF + r, g)
-                )
-                acc_hi[T.Ramp(r * COLS, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)] + upd_hi
-        for r in range(T.min(rows, HALF)):
-            out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)]
-        for r in range(rows - HALF):
-            out[r0 + HALF + r, 0, T.Ramp(n0, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)]
+                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
 
     return tile

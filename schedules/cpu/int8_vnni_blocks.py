@@ -92,16 +92,14 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
         return update(ct, scale_of, offset_of, xq, steps, xs, row, b * per_block + u)
 
     @T.macro
-    def tile(w, n0, r0, rows, xq, steps, xs, out):
-        acc = T.sblock_alloc_buffer((HALF * COLS,), "float32")
-        acc_hi = T.sblock_alloc_buffer((HALF * COLS,), "float32")
+    def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0):
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         ct2 = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # the pair's second group
         s0 = T.sblock_alloc_buffer((per_block * COLS,), "float32")  # scales
         o0 = T.sblock_alloc_buffer((per_block * COLS,), "float32")  # offsets
-        for i in T.unroll(HALF):
-            acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
-            acc_hi[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        # the sums accumulate in `acc` (see `int8_vnni.tile_macro`)
+        for r in range(rows):
+            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for b in range(blocks):
             sv = T.meta_var(block_scale_rows(w, n0, b, qtype))
             s0[T.Ramp(0, 1, 16)] = sv[0][0]
@@ -134,15 +132,10 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
                     ct[T.Ramp(80, 1, 16)] = tr[5]
                     ct[T.Ramp(96, 1, 16)] = tr[6]
                     ct[T.Ramp(112, 1, 16)] = tr[7]
-                    for r in range(T.min(rows, HALF)):
+                    for r in range(rows):
                         upd = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, u))
-                        acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd
-                    for r in range(rows - HALF):
-                        upd_hi = T.meta_var(
-                            group_update(s0, o0, ct, xq, steps, xs, r0 + HALF + r, b, u)
-                        )
-                        acc_hi[T.Ramp(r * COLS, 1, COLS)] = (
-                            acc_hi[T.Ramp(r * COLS, 1, COLS)] + upd_hi
+                        acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
+                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
                         )
             else:
                 for p in range(per_block // 2):
@@ -165,25 +158,13 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
                     ct2[T.Ramp(80, 1, 16)] = pv[13]
                     ct2[T.Ramp(96, 1, 16)] = pv[14]
                     ct2[T.Ramp(112, 1, 16)] = pv[15]
-                    for r in range(T.min(rows, HALF)):
+                    for r in range(rows):
                         lo = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, p * 2))
                         hi = T.meta_var(
                             group_update(s0, o0, ct2, xq, steps, xs, r0 + r, b, p * 2 + 1)
                         )
-                        acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + lo + hi
-                    for r in range(rows - HALF):
-                        lo2 = T.meta_var(
-                            group_update(s0, o0, ct, xq, steps, xs, r0 + HALF + r, b, p * 2)
+                        acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
+                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + lo + hi
                         )
-                        hi2 = T.meta_var(
-                            group_update(s0, o0, ct2, xq, steps, xs, r0 + HALF + r, b, p * 2 + 1)
-                        )
-                        acc_hi[T.Ramp(r * COLS, 1, COLS)] = (
-                            acc_hi[T.Ramp(r * COLS, 1, COLS)] + lo2 + hi2
-                        )
-        for r in range(T.min(rows, HALF)):
-            out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)]
-        for r in range(rows - HALF):
-            out[r0 + HALF + r, 0, T.Ramp(n0, 1, COLS)] = acc_hi[T.Ramp(r * COLS, 1, COLS)]
 
     return tile

@@ -51,6 +51,15 @@ for _fmt in (
     ),
     _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8, nibble_pairs_at=16),
     _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tile_min_rows=12),
-    _kquant("q6k", GGML.Q6_K, 210, "q8_0", split_halves=True, max_code=63, column_tile_min_rows=12),
+    _kquant(
+        "q6k",
+        GGML.Q6_K,
+        210,
+        "q8_0",
+        split_halves=True,
+        max_code=63,
+        column_tile_min_rows=12,
+        six_bit_at=(0, 128),
+    ),
 ):
     register_format(_fmt)
