@@ -149,6 +149,8 @@ def grouped_int8_kernel(
         xs = T.sblock_alloc_buffer((groups * halves, n), "float32")
         steps = T.sblock_alloc_buffer((n, groups), "float32")
         prepare(x_rows, rows, n, m, xq, xs, steps)
+        # the tiles read the codes as [rows, groups, 32]
+        xq_groups = T.decl_buffer((n, groups, LANES), "int8", data=xq.data)
         per_task: T.let[T.int64] = T.Select(n >= wide_rows, T.int64(wide), T.int64(1))
         for c in T.parallel(blocks // per_task):
             for j in range(active[0]):
@@ -167,6 +169,7 @@ def grouped_int8_kernel(
                             r0: T.let[T.int64] = lo + rt * ROWS
                             n_rows: T.let[T.int64] = T.min(count - rt * ROWS, ROWS)
                             n0: T.let[T.int64] = (c * per_task + b) * COLS
-                            tile(we, n0, r0, n_rows, xq, steps, xs, y_rows)
+                            # sums straight into y: acc[r0 + r, 0, n0 : n0 + 16]
+                            tile(we, n0, r0, n_rows, xq_groups, steps, xs, y_rows, r0, n0)
 
     return grouped_int8
