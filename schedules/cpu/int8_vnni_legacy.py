@@ -109,9 +109,10 @@ def nibble_pair_codes(w, qtype: str, n, g, row_bytes: int):
     i low, i + 16 high), and q5's fifth bits, built on 64 lanes at once from one 64-byte
     window holding both blocks (`pair_window`): one byte permute places each block's 16 code
     bytes twice, one and, one shift, one byte blend give the nibbles; a second permute of the
-    same window spreads the fifth bits' bytes (a test, a masked 16). Gathering the two blocks'
-    code bytes and fifth-bit words with separate small loads and inserts took about twice the
-    instructions (q5_0: 9728 x 896 in cache 13.9 -> see docs/benchmarks.md)."""
+    same window spreads the fifth bits' bytes (a test, a masked 16): about 10 instructions a
+    pair where gathering the two blocks' code bytes and fifth-bit words with small loads and
+    inserts took about 16 (q5_0 9728 x 896, one thread, from memory: 11.5-13.7 -> 16.1-16.7
+    GB/s with `group_scales` from the same windows; docs/benchmarks.md)."""
     at, fifth_at = codes_of(qtype).nibble_codes_at, codes_of(qtype).fifth_bits_at
     window = pair_window(w, qtype, n, g, row_bytes)
     if window is None:
