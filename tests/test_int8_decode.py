@@ -134,6 +134,8 @@ def test_gemv_matches_numpy(qtype):
         ("q8_0", 704),  # signed codes; 16-group steps with a tail of 6 groups (3 pairs)
         ("q4_1", 704),  # legacy nibbles and mins
         ("q5_0", 704),  # and fifth bits
+        ("q5_1", 1024),  # whole 16-group steps: the last one outside the loop
+        ("q4_0", 64),  # a row shorter than the 64-byte window: codes gathered from parts
         ("q3k", 512),  # a K-quant without vector block scales: scales per pair
         ("q4k", 512),  # nibble pairs from one load; two super-blocks' scales at once
         ("q6k", 768),  # halves with their own scales; an odd count of super-blocks

@@ -23,13 +23,15 @@ scales decode as one 16-lane vector, and the K-quants prefetch the row 4 KiB ahe
 hardware prefetchers alone left the q6k head at 15-17 GB/s cold against 28 in cache).
 
 Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
-loads) -> 44 (two blocks' scales). Weights from memory, one thread, CPU time, best of 7-11
-interleaved rounds (`benchmarks/gemv_bandwidth.py`; shared machine, load 7-10, so +-20%),
-GB/s of weight bytes, AVX2 row kernel -> this one: q4k 16384 x 2048 13.7 -> 17.6-19.6,
-q4k 2048 x 8192 17.9 -> 20.4 (one run: 14.4 both); q6k 128256 x 2048 (Llama 3.2's head)
-15.8-17.1 -> 19.5-22.3; q8_0 151936 x 896 (Qwen2.5's head) 13.7-19.6 -> 19.6-25.6; q5_0
-9728 x 896 10.1-11.1 -> 12.3-13.4. In cache (1 MB, one thread) q4k runs at 22 GB/s, q6k 28,
-q8_0 37, q5_0 14: q4k and q5_0 are bound by instructions, the others by memory.
+loads) -> 44 (two blocks' scales); then the two blocks' d and dmin converted as one vector
+took the two-block step (prefetches and loop control counted) from 95 to 85
+(docs/benchmarks.md has the later figures). Weights from memory, one thread, CPU time, best
+of 7-11 interleaved rounds (`benchmarks/gemv_bandwidth.py`; shared machine, load 7-10, so
++-20%), GB/s of weight bytes, AVX2 row kernel -> this one: q4k 16384 x 2048 13.7 ->
+17.6-19.6, q4k 2048 x 8192 17.9 -> 20.4 (one run: 14.4 both); q6k 128256 x 2048 (Llama 3.2's
+head) 15.8-17.1 -> 19.5-22.3; q8_0 151936 x 896 (Qwen2.5's head) 13.7-19.6 -> 19.6-25.6;
+q5_0 9728 x 896 10.1-11.1 -> 12.3-13.4. In cache (1 MB, one thread) q4k runs at 22 GB/s, q6k
+28, q8_0 37, q5_0 14: q4k and q5_0 are bound by instructions, the others by memory.
 """
 
 from __future__ import annotations
