@@ -112,7 +112,14 @@ def compile_shape(
     config = arch.config_from_hf(hf_config)
     types = uniform_quant(arch, config, DTYPES[dtype], spec.tvm(), quant) if quant else {}
     module = arch.build(config, DTYPES[dtype], spec.tvm(), quant=types)
-    ir_module, params = module.export_tvm(spec=module.get_default_spec())
+    functions = module.get_default_spec()
+    # The backend's static-row batch decodes (CUDA: one per graph bucket), as `tallow compile`
+    buckets = spec.backend.static_decode_buckets()
+    bucket_spec = module.decode_bucket_spec(buckets)
+    spec.report.static_decode_functions = (
+        dict(zip(map(str, buckets), bucket_spec, strict=True)) or None
+    )
+    ir_module, params = module.export_tvm(spec={**functions, **bucket_spec})
     ir_module = add_sampler_function(ir_module, config.vocab_size, spec.backend)
     times["export_s"] = round(time.perf_counter() - t0, 1)
     t = time.perf_counter()
@@ -132,7 +139,7 @@ def compile_shape(
         "target": {"kind": spec.kind, "details": spec.report.to_details()},
         "params": [[n, [int(d) for d in p.shape], str(p.dtype)] for n, p in params],
         "param_quant": {n: types.get(n, "none") for n, _ in params},
-        "functions": [*module.get_default_spec(), "sample_tokens"],
+        "functions": [*functions, "sample_tokens"],
         "times": times,
     }
     info["_spec"] = spec
