@@ -113,7 +113,7 @@ def test_static_bucket_decodes_match_symbolic(tiny_model_dir, tmp_path):
     option; CUDA libraries get them for every bucket): padded steps call their bucket's
     function (a step of 5 rows, bucket 8, has none: the symbolic `batch_decode`), and the real
     rows' logits match the symbolic `batch_decode` of an unpadded runner.
-    Slow (a compile of its own: 40-70 s on 2 busy cores)."""
+    Slow (a compile of its own: 25-110 s on 2 busy cores)."""
     from tallow.compiler.pipeline import CompileOptions, compile_model
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
