@@ -95,9 +95,16 @@ def uniform_quant(arch, config, dtype: str, target, qtype: str) -> dict[str, str
 
 
 def compile_shape(
-    hf_config: dict, target: str, dtype: str, out: Path, sms=None, quant: str | None = None
+    hf_config: dict,
+    target: str,
+    dtype: str,
+    out: Path,
+    sms=None,
+    quant: str | None = None,
+    decode_buckets: tuple[int, ...] | None = None,
 ) -> dict:
-    """Build, export, lower and build `hf_config` for `target`; return timings + details."""
+    """Build, export, lower and build `hf_config` for `target`; return timings + details.
+    `decode_buckets`: the static-row batch decodes to export (None: the backend's own)."""
     from tallow.compiler.relax_pipeline import lower_module
     from tallow.compiler.sampler_function import add_sampler_function
     from tallow.compiler.target import DTYPES, BuildReport, resolve_target
@@ -114,7 +121,7 @@ def compile_shape(
     module = arch.build(config, DTYPES[dtype], spec.tvm(), quant=types)
     functions = module.get_default_spec()
     # The backend's static-row batch decodes (CUDA: one per graph bucket), as `tallow compile`
-    buckets = spec.backend.static_decode_buckets()
+    buckets = spec.backend.static_decode_buckets() if decode_buckets is None else decode_buckets
     bucket_spec = module.decode_bucket_spec(buckets)
     spec.report.static_decode_functions = (
         dict(zip(map(str, buckets), bucket_spec, strict=True)) or None
