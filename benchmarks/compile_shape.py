@@ -95,9 +95,16 @@ def uniform_quant(arch, config, dtype: str, target, qtype: str) -> dict[str, str
 
 
 def compile_shape(
-    hf_config: dict, target: str, dtype: str, out: Path, sms=None, quant: str | None = None
+    hf_config: dict,
+    target: str,
+    dtype: str,
+    out: Path,
+    sms=None,
+    quant: str | None = None,
+    decode_buckets: tuple[int, ...] | None = None,
 ) -> dict:
-    """Build, export, lower and build `hf_config` for `target`; return timings + details."""
+    """Build, export, lower and build `hf_config` for `target`; return timings + details.
+    `decode_buckets`: the static-row batch decodes to export (None: the backend's own)."""
     from tallow.compiler.relax_pipeline import lower_module
     from tallow.compiler.sampler_function import add_sampler_function
     from tallow.compiler.target import DTYPES, BuildReport, resolve_target
@@ -112,7 +119,14 @@ def compile_shape(
     config = arch.config_from_hf(hf_config)
     types = uniform_quant(arch, config, DTYPES[dtype], spec.tvm(), quant) if quant else {}
     module = arch.build(config, DTYPES[dtype], spec.tvm(), quant=types)
-    ir_module, params = module.export_tvm(spec=module.get_default_spec())
+    functions = module.get_default_spec()
+    # The backend's static-row batch decodes (CUDA: one per graph bucket), as `tallow compile`
+    buckets = spec.backend.static_decode_buckets() if decode_buckets is None else decode_buckets
+    bucket_spec = module.decode_bucket_spec(buckets)
+    spec.report.static_decode_functions = (
+        dict(zip(map(str, buckets), bucket_spec, strict=True)) or None
+    )
+    ir_module, params = module.export_tvm(spec={**functions, **bucket_spec})
     ir_module = add_sampler_function(ir_module, config.vocab_size, spec.backend)
     times["export_s"] = round(time.perf_counter() - t0, 1)
     t = time.perf_counter()
@@ -132,7 +146,7 @@ def compile_shape(
         "target": {"kind": spec.kind, "details": spec.report.to_details()},
         "params": [[n, [int(d) for d in p.shape], str(p.dtype)] for n, p in params],
         "param_quant": {n: types.get(n, "none") for n, _ in params},
-        "functions": [*module.get_default_spec(), "sample_tokens"],
+        "functions": [*functions, "sample_tokens"],
         "times": times,
     }
     info["_spec"] = spec

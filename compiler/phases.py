@@ -146,11 +146,23 @@ def build_module(state: CompileState) -> str:
 
 def export_functions(state: CompileState) -> str:
     module = state.module
-    state.ir_module, named_params = module.export_tvm(spec=module.get_default_spec())
+    spec = module.get_default_spec()
+    # The artifact-wide function list; a library's static-row decode functions are its own
+    # (`target.details.static_decode_functions`), since another target's library lacks them.
+    state.functions = list(spec)
+    buckets = state.options.decode_buckets
+    if buckets is None:
+        buckets = state.target.backend.static_decode_buckets()
+    if buckets and "batch_decode" in spec:
+        static = module.decode_bucket_spec(buckets)
+        spec.update(static)
+        state.target.report.static_decode_functions = {
+            str(rows): name for rows, name in zip(buckets, static, strict=True)
+        }
+    state.ir_module, named_params = module.export_tvm(spec=spec)
     state.params = [
         ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params
     ]
-    state.functions = list(module.get_default_spec())
     # Check the checkpoint against the module now, before the expensive build.
     checkpoint = state.checkpoint
     check_weight_map(

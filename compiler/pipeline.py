@@ -54,6 +54,9 @@ class CompileOptions:
     # (no logits, decode functions, sampler or untied lm_head weights).
     task: str = "generate"
     pooling: str | None = None  # embeddings: "mean" or "last"; None: as the source says
+    # Row counts given a static-row `batch_decode_b<n>` each; None: the backend's own
+    # (`static_decode_buckets`: CUDA's graph buckets, none on CPU). Tests set it (no CLI flag).
+    decode_buckets: tuple[int, ...] | None = None
 
 
 @dataclass

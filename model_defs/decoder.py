@@ -56,6 +56,13 @@ EXPORTED_FUNCTIONS = (
 EMBED_FUNCTIONS = ("embed", HIDDEN_FUNCTION, "create_paged_kv_cache")
 
 
+def static_decode_name(rows: int) -> str:
+    """`batch_decode` at a fixed row count (`batch_decode_b8`): a static shape lets every
+    quantized matmul take the weights-once matrix-vector schedule (schedules/gpu/quant_gemv.py),
+    where the symbolic batch gets dlight's LowBatchGEMV (one pass over the weights per 4 rows)."""
+    return f"batch_decode_b{rows}"
+
+
 class BiasedQuantLinear(QuantLinear):
     """A QuantLinear with an optional float bias (Qwen2's q/k/v); the add fuses as an epilogue."""
 
@@ -292,6 +299,19 @@ class DecoderLM(nn.Module):
 
     def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
         return self._logits(self.model(input_embeds, kv_cache)), kv_cache
+
+    def decode_bucket_spec(self, buckets) -> dict:
+        """Specs of `batch_decode` at each static row count in `buckets` (the CUDA-graph
+        buckets the runtime pads decode steps to), same graph and calling convention."""
+        spec = self.get_default_spec()["batch_decode"]
+        out = {}
+        for rows in buckets:
+            name = static_decode_name(int(rows))
+            # the exporter finds each function as a method of the module
+            setattr(self, name, self.batch_decode)
+            embeds = nn.spec.Tensor([int(rows), 1, self.config.hidden_size], self.dtype)
+            out[name] = {**spec, "input_embeds": embeds}
+        return out
 
     def batch_prefill_hidden(self, input_embeds: Tensor, kv_cache: PagedKVCache):
         """`batch_prefill`'s calling convention, returning every token's final hidden state

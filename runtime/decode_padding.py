@@ -18,6 +18,12 @@ so scratch sequences never grow. Their tokens sit at position 0 of their own seq
 attention never mixes sequences, so the real rows' logits are bit-identical with and without
 padding (`tests/test_decode_padding.py`). The pages a full set of padding slots holds during a
 step are kept out of what the runner reports as free, so the engine cannot plan them away.
+
+A library may also carry one static-row batch decode per bucket (`batch_decode_b8`, listed in
+`target.details.static_decode_functions`; CUDA libraries have them): a padded step calls its
+bucket's function, whose quantized matmuls read each weight byte once for all rows
+(`QuantDecodeGEMV`), instead of the symbolic `batch_decode`, which stays the fallback for a
+bucket without one.
 """
 
 from __future__ import annotations
@@ -42,11 +48,14 @@ class DecodePadding:
         buckets: list[int] | tuple[int, ...],
         add_sequence: Callable[[int], None],
         popn: Callable[[int, int], None],
+        functions: dict[int, str] | None = None,
     ):
+        """`functions`: bucket -> the library's static-row decode function for that size."""
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"decode batch buckets must be positive sizes, got {list(buckets)}")
         self.buckets = tuple(sizes)
+        self.functions = {int(k): v for k, v in (functions or {}).items() if int(k) in sizes}
         self._add_sequence = add_sequence
         self._popn = popn
         self.scratch: list[int] = []  # scratch sequence ids added to the cache so far
@@ -55,6 +64,11 @@ class DecodePadding:
         """Most padding rows a step of at most `max_rows` real rows needs (31 for 64 with the
         CUDA buckets: 33 rows run as 64): the scratch sequences' slots and pages to reserve."""
         return max((self.bucket(n) - n for n in range(1, max_rows + 1)), default=0)
+
+    def function(self, padded_rows: int) -> str:
+        """The function a padded step of `padded_rows` runs: the bucket's static-row one where
+        the library has it, else the symbolic `batch_decode`."""
+        return self.functions.get(padded_rows, "batch_decode")
 
     def bucket(self, rows: int) -> int:
         """The batch size `rows` is run at: the smallest bucket that holds it (itself when it
@@ -77,3 +91,20 @@ class DecodePadding:
         when the forward itself then fails, so scratch sequences stay empty between steps."""
         for seq_id in self.scratch[:padded_rows]:
             self._popn(seq_id, 1)
+
+
+def decode_padding_for(
+    details: dict,
+    bound_details: dict,
+    buckets: tuple[int, ...] | None,
+    add_sequence: Callable[[int], None],
+    popn: Callable[[int, int], None],
+) -> DecodePadding | None:
+    """The runner's padding: `buckets` if given, else those its device's bound records
+    (`bound_details`, the CUDA graph's), else none; with the library's static-row decode
+    functions (`details`: the library's `target.details`)."""
+    buckets = buckets or bound_details.get("batch_buckets")
+    if not buckets:
+        return None
+    static = details.get("static_decode_functions") or {}
+    return DecodePadding(buckets, add_sequence, popn, {int(r): f for r, f in static.items()})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +20,12 @@ from .artifact import (
     read_weights,
 )
 from .cpu_threads import configure_cpu_threads
-from .decode_padding import DecodePadding
+from .decode_padding import decode_padding_for
 from .devices import device_kind, open_device
 from .errors import ArtifactError
+from .library_link import library_path as _library_path  # noqa: F401 (tests, benchmarks)
 from .library_select import LibraryChoice, choose_library
-from .manifest import LibraryInfo, Manifest
+from .manifest import Manifest
 from .model_runner_protocol import SAMPLER_FUNCTION, SamplingControls
 
 # The hidden-state function (compiler/model_defs/decoder.py), and what generation needs.
@@ -51,47 +51,6 @@ def _load_tvm():
     except ImportError as e:  # pragma: no cover - install problem
         raise ArtifactError(f"the TVM runtime is not installed ({e})") from e
     return tvm, tvm_vm
-
-
-def _library_path(folder: Path, library: LibraryInfo) -> Path:
-    """The loadable library; a .tar of objects (Metal, cross-compiled CPU code) is linked
-    once on this machine, then cached.
-
-    The compiler cannot link a macOS or an arm64 library on an x86 Linux box without a cross
-    linker (docs/metal.md), so the machine that runs it links it on first load with its
-    system compiler, into ~/.cache/tallow/linked/<hash of the tar>/.
-    """
-    lib = folder / library.file
-    if lib.suffix != ".tar":
-        return lib
-    import hashlib
-    import shutil
-    import subprocess
-    import tarfile
-    import tempfile
-
-    from .cpu_features import host_os
-
-    digest = hashlib.sha256(lib.read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tallow" / "linked"
-    mac = host_os() == "macos"
-    out = cache / digest / ("model.dylib" if mac else "model.so")
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        with tarfile.open(lib) as tar:
-            tar.extractall(tmp, filter="data")
-        objects = sorted(str(p) for p in Path(tmp).iterdir() if p.suffix == ".o")
-        cc = os.environ.get("CC") or shutil.which("clang") or shutil.which("cc") or "cc"
-        # TVM runtime symbols resolve against the already loaded libtvm_runtime at load time.
-        link = ["-dynamiclib", "-undefined", "dynamic_lookup"] if mac else ["-shared"]
-        cmd = [cc, *link, "-o", f"{tmp}/{out.name}", *objects]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ArtifactError(f"linking {lib.name} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(f"{tmp}/{out.name}", out)
-    return out
 
 
 class DeviceLogits:
@@ -184,11 +143,9 @@ class TVMModelRunner:
         # batch_decode steps rounded up to the CUDA-graph buckets (decode_padding.py): each
         # padding slot's scratch sequence takes a sequence slot and, during a step, one page,
         # both on top of what was asked for.
-        buckets = decode_buckets or details.get("batch_buckets")
-        self.decode_padding = (
-            DecodePadding(buckets, self.add_sequence, self.popn) if buckets else None
+        self.decode_padding = padding = decode_padding_for(
+            library.details or {}, details, decode_buckets, self.add_sequence, self.popn
         )
-        padding = self.decode_padding
         self._padding_slots = padding.slots_for(kv.max_batch_size) if padding else 0
         total += self._padding_slots * self.page_size
         functions = set(self.manifest.functions)
@@ -197,6 +154,7 @@ class TVMModelRunner:
         self.supports_generation = all(f in functions for f in _GENERATION_FUNCTIONS)
         if self.supports_generation:
             names += _GENERATION_FUNCTIONS
+            names += padding.functions.values() if padding else []
         # Artifacts from before the compiled sampler sample on the host.
         self.supports_device_sampling = SAMPLER_FUNCTION in functions
         if self.supports_device_sampling:
@@ -360,6 +318,10 @@ class TVMModelRunner:
         try:
             if decode:
                 name = "decode" if single else "batch_decode"
+                # The bucket's static-row decode, except under `--deterministic`: a row's
+                # numbers must not depend on the bucket its step falls in.
+                padding = None if single or self.batch_invariant else self.decode_padding
+                name = padding.function(len(items)) if padding else name
                 embeds = embeds._create_view((len(items), 1, self.hidden_size))
                 logits, _ = self._funcs[name](embeds, self.kv_cache, self.params)
             else:

@@ -79,3 +79,69 @@ def test_padded_decode_matches_unpadded(tiny_artifact):
     for seq_id in scratch:  # each is empty again (TVM refuses to pop an empty sequence)
         with pytest.raises(Exception, match="only has length 0"):
             padded.popn(seq_id, 1)
+
+
+def test_bucket_functions_dispatch():
+    """A library's static-row decodes are called for their buckets only; other buckets, and
+    libraries without them, keep the symbolic `batch_decode`."""
+    from tallow.runtime.decode_padding import decode_padding_for
+
+    cache = _Cache()
+    details = {"static_decode_functions": {"2": "batch_decode_b2", "8": "batch_decode_b8"}}
+    graph = {"batch_buckets": list(CUDA_BUCKETS)}
+    pad = decode_padding_for(details, graph, None, cache.add, cache.popn)
+    assert pad.buckets == CUDA_BUCKETS
+    assert [pad.function(pad.bucket(n)) for n in (2, 3, 5, 8)] == [
+        "batch_decode_b2",
+        "batch_decode",  # no b4 in this library
+        "batch_decode_b8",
+        "batch_decode_b8",
+    ]
+    assert decode_padding_for(details, {}, None, cache.add, cache.popn) is None  # CPU: none
+    forced = decode_padding_for({}, {}, (1, 4), cache.add, cache.popn)
+    assert forced.buckets == (1, 4) and forced.function(4) == "batch_decode"
+    # a function for a size that is not a bucket is never called
+    odd = decode_padding_for(
+        {"static_decode_functions": {"3": "batch_decode_b3"}}, graph, None, cache.add, cache.popn
+    )
+    assert odd.functions == {}
+
+
+@pytest.mark.slow
+def test_static_bucket_decodes_match_symbolic(tiny_model_dir, tmp_path):
+    """A CPU artifact built with static-row decodes for buckets 2 and 4 (an internal compile
+    option; CUDA libraries get them for every bucket): padded steps call their bucket's
+    function (a step of 5 rows, bucket 8, has none: the symbolic `batch_decode`), and the real
+    rows' logits match the symbolic `batch_decode` of an unpadded runner.
+    Slow (a compile of its own: 25-110 s on 2 busy cores)."""
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    opts = CompileOptions(
+        model=str(tiny_model_dir("qwen3")), output=tmp_path, quiet=True, decode_buckets=(2, 4)
+    )
+    folder = compile_model(opts)
+    kv = KVCacheConfig(max_batch_size=8, max_total_tokens=512)
+    plain = TVMModelRunner(folder, kv=kv)
+    padded = TVMModelRunner(folder, kv=kv, decode_buckets=CUDA_BUCKETS)
+    assert plain.decode_padding is None
+    assert padded.decode_padding.functions == {r: f"batch_decode_b{r}" for r in (2, 4)}
+    calls = []
+    for rows in (2, 4, 8):  # count the calls each decode function gets
+        name = f"batch_decode_b{rows}" if rows < 8 else "batch_decode"
+        inner = padded._funcs[name]
+        padded._funcs[name] = lambda *a, _f=inner, _n=name: calls.append(_n) or _f(*a)
+    rng = np.random.default_rng(1)
+    vocab = plain.vocab_size
+    prompts = {s: rng.integers(0, vocab, 4 + s).tolist() for s in range(5)}
+    for runner in (plain, padded):
+        for s, prompt in prompts.items():
+            runner.add_sequence(s)
+            runner.forward([(s, prompt)])
+    for live in ([0, 1, 2], [0, 1, 2, 3, 4], [3, 4], [0, 1, 2, 3, 4]):
+        items = [(s, [int(rng.integers(0, vocab))]) for s in live]
+        want = np.array(plain.forward(items), copy=True)
+        got = np.array(padded.forward(items), copy=True)
+        # not bit-identical: a static row count vectorizes the f32 sums in another order
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert calls == ["batch_decode_b4", "batch_decode", "batch_decode_b2", "batch_decode"]

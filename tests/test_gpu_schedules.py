@@ -5,8 +5,10 @@ A tiny Qwen3 whose rows hold whole K-quant blocks (`qwen3_wide`, hidden 256), `-
 (scheduled for sm_80, SASS and ptxas figures for both; slow: 50-80 s on 2 busy cores), and
 for Metal. Checked: which rule scheduled every quantized matmul (none
 on `Fallback`; decode on matrix-vector rules), wmma in the generated CUDA of every prefill
-matmul, the CUDA-graph capture of `batch_decode`, and `ptxas -v` resources, read back
-independently from the SASS with `cuobjdump --dump-resource-usage` where it is installed.
+matmul, the static-row batch decode at 64 rows (`batch_decode_b64`: every quantized matmul on
+`QuantDecodeGEMV`, none spilling), the CUDA-graph capture of the decode functions,
+and `ptxas -v` resources, read back independently from the SASS with
+`cuobjdump --dump-resource-usage` where it is installed.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def test_quantized_schedule_evidence(tiny_model_dir, tmp_path):
         dtype="f16",
         quant="q4k",
         output=tmp_path,
+        # One of the seven bucket functions a CUDA build exports, the register-heaviest (each
+        # set of decode kernels costs compile time: about 60 s on 2 busy cores).
+        decode_buckets=(64,),
     )
     opts.quiet = True
     folder = compile_model(opts)
@@ -89,6 +94,19 @@ def test_quantized_schedule_evidence(tiny_model_dir, tmp_path):
     prefill = {n: q["rule"] for n, q in quant.items() if q["role"] == "prefill"}
     assert decode and set(decode.values()) <= DECODE_RULES, decode
     assert "QuantDecodeGEMV" in decode.values()  # the static-row `decode` kernels
+
+    # The static-row batch decodes: every quantized matmul on the weights-once rule.
+    static = schedules["static_decode"]
+    assert set(static) == {"batch_decode_b64"}
+    assert details["static_decode_functions"] == {"64": "batch_decode_b64"}
+    for fn, rules in static.items():
+        assert rules and set(rules.values()) == {"QuantDecodeGEMV"}, (fn, rules)
+        assert all(quant[k]["role"] == "decode" for k in rules)
+    evidence = details["static_decode_evidence"]
+    assert {fn: e["quant_matmul_rules"] for fn, e in evidence.items()} == {
+        fn: ["QuantDecodeGEMV"] for fn in static
+    }
+    assert all(not e["spilled"] for e in evidence.values()), evidence
     assert prefill and set(prefill.values()) == {"QuantPrefillMatmul"}, prefill
 
     # Prefill matmuls run on tensor cores: wmma calls in each one's generated CUDA kernel.
@@ -98,8 +116,11 @@ def test_quantized_schedule_evidence(tiny_model_dir, tmp_path):
 
     # CUDA graphs: batch_decode's regions between attention calls are captured.
     graph = details["cuda_graph"]
-    assert set(graph["captured_functions"]) == {"decode", "batch_decode"}, graph
+    assert set(graph["captured_functions"]) == {"decode", "batch_decode", *static}, graph
     assert graph["captured_regions"]["batch_decode"] >= 1 and graph["max_batch_size"] == 64
+    # static shapes: each bucket function is captured like `decode`, no symbolic bound needed
+    regions = graph["captured_regions"]
+    assert all(regions[fn] == regions["decode"] for fn in static), regions
 
     # ptxas resources for every kernel of the library, for each arch.
     resources = details["kernel_resources"]

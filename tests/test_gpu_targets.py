@@ -71,8 +71,15 @@ def test_cli_accepts_gpu_targets():
 def _compile(model_dir, out, target, sms=(), dtype="f16") -> Path:
     from tallow.compiler.pipeline import CompileOptions, compile_model
 
+    # Without the static-row batch decodes (each costs compile time; test_gpu_schedules.py
+    # and test_decode_padding.py check them).
     opts = CompileOptions(
-        model=str(model_dir), target=target, sms=list(sms) or None, dtype=dtype, output=out
+        model=str(model_dir),
+        target=target,
+        sms=list(sms) or None,
+        dtype=dtype,
+        output=out,
+        decode_buckets=(),
     )
     opts.quiet = True
     return compile_model(opts)
@@ -196,7 +203,9 @@ def test_tensor_cores_qwen3_0_6b_shape(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from compile_shape import PRESETS, compile_shape
 
-    info = compile_shape(PRESETS["qwen3-0.6b-2l"], "cuda", "f16", tmp_path, sms=[90])
+    info = compile_shape(
+        PRESETS["qwen3-0.6b-2l"], "cuda", "f16", tmp_path, sms=[90], decode_buckets=()
+    )
     details = info["target"]["details"]
     tc = details["schedules"]["tensor_core"]
     assert tc["tensorized_kernels"], tc

@@ -45,6 +45,9 @@ class BuildReport:
     int8_prefill_kernels: int | None = None  # CPU: prefill matmuls given int8 kernels
     schedules: dict[str, Any] | None = None  # GPU: rule per kernel, families, tensor-core use
     cuda_graph: dict[str, Any] | None = None  # CUDA: what RewriteCUDAGraph captured
+    # rows (as a string) -> the static-row batch-decode function exported for it
+    static_decode_functions: dict[str, str] | None = None
+    static_decode_evidence: dict[str, Any] | None = None  # CUDA: rules, registers, spills
     # build
     nvcc: str | None = None  # CUDA: nvcc version
     build_driver: str | None = None  # CUDA: "system" driver or the build-time "stub"
@@ -174,6 +177,11 @@ class TargetBackend(ABC):
 
     def target_label(self, spec: TargetSpec) -> str:
         return self.library_stem(spec).replace("-", " ", 1)
+
+    def static_decode_buckets(self) -> tuple[int, ...]:
+        """Row counts the runtime pads decode steps to on this target, each exported as a
+        static-row `batch_decode_b<n>` (none by default: the symbolic `batch_decode` only)."""
+        return ()
 
     # --- Relax pipeline hooks (see compiler/relax_pipeline.py for where each one runs) -----
     def prepare_for_lowering(self, mod, spec: TargetSpec):

@@ -11,6 +11,11 @@ pipeline), so a graph replays fixed buffers. It needs statically planned memory:
 depend on `batch_size`: the VM then keeps one graph per batch size it meets
 (`vm.builtin.cuda_graph.run_or_capture` keys its cache on the shape values), and the runtime
 rounds every step up to one of `CUDA_GRAPH_BATCH_BUCKETS` (`runtime/decode_padding.py`).
+Each bucket also gets a static-row `batch_decode_b<n>` (`static_decode_buckets`), which the
+runner calls instead: static shapes need no bound, and their quantized matmuls take
+`QuantDecodeGEMV` (weights read once for all rows) where the symbolic batch gets dlight's
+`LowBatchGEMV` (one pass over the weights per 4 rows). The symbolic `batch_decode` stays as
+the fallback for batch sizes without a bucket function.
 The paged KV cache's attention calls take per-step page tables, so they stay outside the
 graphs: each layer's kernels between two attention calls are one captured region. What was
 captured is recorded in the manifest (`target.details.cuda_graph`).
@@ -87,6 +92,9 @@ class CUDABackend(GPUBackend):
         arch = str(target.attrs.get("arch", ""))
         return arch.startswith("sm_") and int(arch[3:]) >= 70
 
+    def static_decode_buckets(self) -> tuple[int, ...]:
+        return CUDA_GRAPH_BATCH_BUCKETS
+
     # --- CUDA graphs ----------------------------------------------------------------------
     def pass_config(self) -> dict:
         return {"relax.backend.use_cuda_graph": True}
@@ -143,16 +151,50 @@ class CUDABackend(GPUBackend):
         }
         report.kernel_resources = resources
         report.spill_repair = record.get("spill_repair", {})  # see compiler/launch_bounds.py
+        if report.static_decode_functions:
+            report.static_decode_evidence = _static_decode_evidence(report)
         executable.export_library(str(path))
+
+
+def _static_decode_evidence(report: BuildReport) -> dict:
+    """Per static-row batch decode: the rules its quantized matmuls got, their most registers
+    per arch, and the ones that spill (the claim: all QuantDecodeGEMV, none spilling)."""
+    rules = (report.schedules or {}).get("static_decode", {})
+    resources = report.kernel_resources or {}
+    out = {}
+    for rows, fn in report.static_decode_functions.items():
+        kernels = rules.get(fn, {})
+        per_arch = [resources.get(f"{k}_kernel", {}) for k in kernels]
+        archs = sorted({a for r in per_arch for a in r})
+        out[fn] = {
+            "rows": int(rows),
+            "quant_matmul_rules": sorted(set(kernels.values())),
+            "quant_matmuls": len(kernels),
+            "max_registers": {
+                a: max((r[a].get("registers", 0) for r in per_arch if a in r), default=0)
+                for a in archs
+            },
+            "spilled": sorted(
+                k
+                for k in kernels
+                if any(
+                    r.get("spill_stores") or r.get("spill_loads")
+                    for r in resources.get(f"{k}_kernel", {}).values()
+                )
+            ),
+        }
+    return out
 
 
 def _graph_report(mod) -> dict:
     """Which Relax functions RewriteCUDAGraph captured (the manifest records it as found)."""
     from tvm import relax
 
+    from tallow.schedules.gpu.rules import is_decode_function
+
     captured, not_captured, regions = [], [], {}
     for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function) and gv.name_hint in ("decode", "batch_decode"):
+        if isinstance(func, relax.Function) and is_decode_function(gv.name_hint):
             calls = func.script().count("cuda_graph.run_or_capture")
             (captured if calls else not_captured).append(gv.name_hint)
             regions[gv.name_hint] = calls

@@ -79,8 +79,14 @@ def _import_tensor_intrinsics() -> None:
 # Rules that tile matmuls for prefill (tensor cores where the target has them).
 MATMUL_RULES = ("QuantPrefillMatmul", "Matmul")
 
-# Relax functions whose kernels are matrix-vector products (1 to 64 rows).
+# Relax functions whose kernels are matrix-vector products (1 to 64 rows), and the
+# static-row batch decodes (`model_defs/decoder.static_decode_name`: `batch_decode_b8`).
 DECODE_FUNCTIONS = ("decode", "batch_decode")
+STATIC_DECODE = re.compile(r"batch_decode_b\d+")
+
+
+def is_decode_function(name: str) -> bool:
+    return name in DECODE_FUNCTIONS or STATIC_DECODE.fullmatch(name) is not None
 
 
 def _rules(decode: bool):
@@ -114,15 +120,15 @@ def is_quant_matmul(func: tirx.PrimFunc) -> bool:
     return True
 
 
-def _decode_kernels(mod: tvm.IRModule) -> set[str]:
-    """Names of the PrimFuncs the decode functions call."""
+def _decode_kernels(mod: tvm.IRModule) -> dict[str, set[str]]:
+    """Decode function name -> names of the PrimFuncs it calls."""
     from tvm import relax
 
-    called: set[str] = set()
-    for gv, func in mod.functions_items():
-        if isinstance(func, relax.Function) and gv.name_hint in DECODE_FUNCTIONS:
-            called |= {g.name_hint for g in relax.analysis.all_global_vars(func)}
-    return called
+    return {
+        gv.name_hint: {g.name_hint for g in relax.analysis.all_global_vars(func)}
+        for gv, func in mod.functions_items()
+        if isinstance(func, relax.Function) and is_decode_function(gv.name_hint)
+    }
 
 
 def _family(name: str) -> str:
@@ -160,7 +166,8 @@ def schedule_module(
     `tensor_cores`: the target has matrix units (the backend's `has_tensor_cores`), so a
     matmul the Matmul rule kept on SIMT cores is reported with the reason."""
     _import_tensor_intrinsics()
-    decode_kernels = _decode_kernels(mod)
+    by_function = _decode_kernels(mod)
+    decode_kernels = set().union(*by_function.values())
     kernels: dict[str, str] = {}
     quant: dict[str, dict] = {}
     families: dict[str, Counter] = {}
@@ -209,6 +216,15 @@ def schedule_module(
         report["kernels"] = dict(sorted(kernels.items()))
         # Every matmul over GGUF blocks, with its rule and whether decode or prefill calls it.
         report["quant_matmuls"] = dict(sorted(quant.items()))
+        # The static-row batch decodes' quantized matmuls and their rules: the evidence that
+        # each reads its weights once (QuantDecodeGEMV) at every bucket's row count.
+        static = {
+            fn: {k: kernels[k] for k in sorted(called) if k in quant}
+            for fn, called in sorted(by_function.items())
+            if STATIC_DECODE.fullmatch(fn)
+        }
+        if static:
+            report["static_decode"] = static
         report["families"] = {f: dict(c) for f, c in sorted(families.items())}
         report["tensor_core"] = {
             "target_has_tensor_cores": tensor_cores,
