@@ -132,6 +132,20 @@ def fifth_bits_step(words, s: int):
     return tirx.reinterpret("int32x16", bits)
 
 
+@T.macro
+def store_vectors(buf, vectors):
+    """Eight 16-lane vectors (a Python list: codes of 8 steps, or 8 lanes' scales) into
+    `buf[0:128]`; a macro, as TVMScript takes the list's items only by constant index."""
+    buf[T.Ramp(0, 1, 16)] = vectors[0]
+    buf[T.Ramp(16, 1, 16)] = vectors[1]
+    buf[T.Ramp(32, 1, 16)] = vectors[2]
+    buf[T.Ramp(48, 1, 16)] = vectors[3]
+    buf[T.Ramp(64, 1, 16)] = vectors[4]
+    buf[T.Ramp(80, 1, 16)] = vectors[5]
+    buf[T.Ramp(96, 1, 16)] = vectors[6]
+    buf[T.Ramp(112, 1, 16)] = vectors[7]
+
+
 def tile_macro(qtype: str, groups: int):
     """A macro: columns `n0..n0+15` for `rows` sequences from `r0`, the whole K.
 
@@ -210,14 +224,7 @@ def tile_macro(qtype: str, groups: int):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
             tr = T.meta_var(step_vectors(w, n0, g, qtype))
-            ct[T.Ramp(0, 1, 16)] = tr[0]
-            ct[T.Ramp(16, 1, 16)] = tr[1]
-            ct[T.Ramp(32, 1, 16)] = tr[2]
-            ct[T.Ramp(48, 1, 16)] = tr[3]
-            ct[T.Ramp(64, 1, 16)] = tr[4]
-            ct[T.Ramp(80, 1, 16)] = tr[5]
-            ct[T.Ramp(96, 1, 16)] = tr[6]
-            ct[T.Ramp(112, 1, 16)] = tr[7]
+            store_vectors(ct, tr)
             store_scales(sc, w, n0, g)
             for r in range(rows):
                 upd = T.meta_var(

@@ -13,7 +13,7 @@ from tallow.compiler.quant.registry import get_format
 from .int8_codes import LANES, Row, codes_of
 from .int8_columns import transpose
 from .int8_ops import offset_halves
-from .int8_vnni import COLS, HALF, STEPS, _c, _join, step_vectors
+from .int8_vnni import COLS, HALF, STEPS, _c, _join, step_vectors, store_vectors
 
 
 def block_scale_rows(w, n0, b, qtype: str):
@@ -102,36 +102,15 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
             acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for b in range(blocks):
             sv = T.meta_var(block_scale_rows(w, n0, b, qtype))
-            s0[T.Ramp(0, 1, 16)] = sv[0][0]
-            s0[T.Ramp(16, 1, 16)] = sv[0][1]
-            s0[T.Ramp(32, 1, 16)] = sv[0][2]
-            s0[T.Ramp(48, 1, 16)] = sv[0][3]
-            s0[T.Ramp(64, 1, 16)] = sv[0][4]
-            s0[T.Ramp(80, 1, 16)] = sv[0][5]
-            s0[T.Ramp(96, 1, 16)] = sv[0][6]
-            s0[T.Ramp(112, 1, 16)] = sv[0][7]
-            o0[T.Ramp(0, 1, 16)] = sv[1][0]
-            o0[T.Ramp(16, 1, 16)] = sv[1][1]
-            o0[T.Ramp(32, 1, 16)] = sv[1][2]
-            o0[T.Ramp(48, 1, 16)] = sv[1][3]
-            o0[T.Ramp(64, 1, 16)] = sv[1][4]
-            o0[T.Ramp(80, 1, 16)] = sv[1][5]
-            o0[T.Ramp(96, 1, 16)] = sv[1][6]
-            o0[T.Ramp(112, 1, 16)] = sv[1][7]
+            store_vectors(s0, sv[0])
+            store_vectors(o0, sv[1])
             if pairs_at is None:
                 for u in range(per_block):
                     g: T.let[T.int32] = b * per_block + u
                     for c in T.unroll(COLS):
                         T.evaluate(prefetch_group(w, n0 + COLS + c, g))
                     tr = T.meta_var(step_vectors(w, n0, g, qtype))
-                    ct[T.Ramp(0, 1, 16)] = tr[0]
-                    ct[T.Ramp(16, 1, 16)] = tr[1]
-                    ct[T.Ramp(32, 1, 16)] = tr[2]
-                    ct[T.Ramp(48, 1, 16)] = tr[3]
-                    ct[T.Ramp(64, 1, 16)] = tr[4]
-                    ct[T.Ramp(80, 1, 16)] = tr[5]
-                    ct[T.Ramp(96, 1, 16)] = tr[6]
-                    ct[T.Ramp(112, 1, 16)] = tr[7]
+                    store_vectors(ct, tr)
                     for r in range(rows):
                         upd = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, u))
                         acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
@@ -142,14 +121,7 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
                     for c in T.unroll(COLS):
                         T.evaluate(prefetch_group(w, n0 + COLS + c, b * per_block + p * 2))
                     pv = T.meta_var(pair_step_vectors(w, n0, b, p))
-                    ct[T.Ramp(0, 1, 16)] = pv[0]
-                    ct[T.Ramp(16, 1, 16)] = pv[1]
-                    ct[T.Ramp(32, 1, 16)] = pv[2]
-                    ct[T.Ramp(48, 1, 16)] = pv[3]
-                    ct[T.Ramp(64, 1, 16)] = pv[4]
-                    ct[T.Ramp(80, 1, 16)] = pv[5]
-                    ct[T.Ramp(96, 1, 16)] = pv[6]
-                    ct[T.Ramp(112, 1, 16)] = pv[7]
+                    store_vectors(ct, pv)
                     ct2[T.Ramp(0, 1, 16)] = pv[8]
                     ct2[T.Ramp(16, 1, 16)] = pv[9]
                     ct2[T.Ramp(32, 1, 16)] = pv[10]

@@ -22,7 +22,7 @@ from tallow.compiler.quant.registry import get_format
 
 from .int8_codes import codes_of
 from .int8_columns import transpose
-from .int8_vnni import COLS, HALF, STEPS, _join
+from .int8_vnni import COLS, HALF, STEPS, _join, store_vectors
 
 QUAD = 4  # groups per 128 weights
 
@@ -85,14 +85,7 @@ def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_sc
         for c in T.unroll(COLS):
             T.evaluate(prefetch_group(w, n0 + COLS + c, g))
         tr = T.meta_var(group_steps(lows0, lows1, highs, j))
-        ct[T.Ramp(0, 1, 16)] = tr[0]
-        ct[T.Ramp(16, 1, 16)] = tr[1]
-        ct[T.Ramp(32, 1, 16)] = tr[2]
-        ct[T.Ramp(48, 1, 16)] = tr[3]
-        ct[T.Ramp(64, 1, 16)] = tr[4]
-        ct[T.Ramp(80, 1, 16)] = tr[5]
-        ct[T.Ramp(96, 1, 16)] = tr[6]
-        ct[T.Ramp(112, 1, 16)] = tr[7]
+        store_vectors(ct, tr)
         store_scales(sc, w, n0, g)
         for r in range(rows):
             upd = T.meta_var(
