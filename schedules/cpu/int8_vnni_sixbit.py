@@ -104,30 +104,9 @@ def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_sc
             acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for q in range(groups // QUAD):
             runs = T.meta_var(transposed_runs(w, n0, q // 2, q % 2, qtype))
-            lows0[T.Ramp(0, 1, 16)] = runs[0][0]
-            lows0[T.Ramp(16, 1, 16)] = runs[0][1]
-            lows0[T.Ramp(32, 1, 16)] = runs[0][2]
-            lows0[T.Ramp(48, 1, 16)] = runs[0][3]
-            lows0[T.Ramp(64, 1, 16)] = runs[0][4]
-            lows0[T.Ramp(80, 1, 16)] = runs[0][5]
-            lows0[T.Ramp(96, 1, 16)] = runs[0][6]
-            lows0[T.Ramp(112, 1, 16)] = runs[0][7]
-            lows1[T.Ramp(0, 1, 16)] = runs[1][0]
-            lows1[T.Ramp(16, 1, 16)] = runs[1][1]
-            lows1[T.Ramp(32, 1, 16)] = runs[1][2]
-            lows1[T.Ramp(48, 1, 16)] = runs[1][3]
-            lows1[T.Ramp(64, 1, 16)] = runs[1][4]
-            lows1[T.Ramp(80, 1, 16)] = runs[1][5]
-            lows1[T.Ramp(96, 1, 16)] = runs[1][6]
-            lows1[T.Ramp(112, 1, 16)] = runs[1][7]
-            highs[T.Ramp(0, 1, 16)] = runs[2][0]
-            highs[T.Ramp(16, 1, 16)] = runs[2][1]
-            highs[T.Ramp(32, 1, 16)] = runs[2][2]
-            highs[T.Ramp(48, 1, 16)] = runs[2][3]
-            highs[T.Ramp(64, 1, 16)] = runs[2][4]
-            highs[T.Ramp(80, 1, 16)] = runs[2][5]
-            highs[T.Ramp(96, 1, 16)] = runs[2][6]
-            highs[T.Ramp(112, 1, 16)] = runs[2][7]
+            store_vectors(lows0, runs[0])
+            store_vectors(lows1, runs[1])
+            store_vectors(highs, runs[2])
             one_group(
                 w,
                 n0,
