@@ -152,9 +152,7 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
                     for j in T.unroll(row_lines):
                         T.evaluate(
-                            prefetch(
-                                T.address_of(w[nc * N_CHUNK + ni, j * 64 + ahead]), STREAM
-                            )
+                            prefetch(T.address_of(w[nc * N_CHUNK + ni, j * 64 + ahead]), STREAM)
                         )
                     dot_row(w, nc * N_CHUNK + ni, xp, xr, sums, xmf, out)
 
