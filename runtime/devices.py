@@ -106,6 +106,9 @@ class DeviceKind:
     load_driver: Callable[[object, str], None] | None = None
     # Whether to ask TVM if the device exists (the CPU always does).
     probe: bool = True
+    # The weights go into one host mapping with huge pages (host_weights.py), not one TVM
+    # allocation each.
+    huge_page_weights: bool = False
 
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
@@ -117,6 +120,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         single_sequence_decode=True,
         sets_cpu_threads=True,
         probe=False,
+        huge_page_weights=True,
     ),
     "cuda": DeviceKind(
         name="cuda",

@@ -23,6 +23,7 @@ from .cpu_threads import configure_cpu_threads
 from .decode_padding import decode_padding_for
 from .devices import device_kind, open_device
 from .errors import ArtifactError
+from .host_weights import host_weights
 from .library_link import library_path as _library_path  # noqa: F401 (tests, benchmarks)
 from .library_select import LibraryChoice, choose_library
 from .manifest import Manifest
@@ -119,7 +120,10 @@ class TVMModelRunner:
             raise ArtifactError(f"cannot load {library.file}: {e}") from e
         self.vm = tvm_vm.VirtualMachine(lib, self.device)
         weights = read_weights(self.folder, self.manifest, library)
-        self.params = [tvm.runtime.tensor(a, self.device) for a in weights]
+        if self.device_kind.huge_page_weights:
+            self.params = host_weights(tvm, weights, self.device)
+        else:
+            self.params = [tvm.runtime.tensor(a, self.device) for a in weights]
         self.tokenizer: TokenizerBundle = load_tokenizer(self.folder, self.manifest)
 
         cfg = self.manifest.model.config

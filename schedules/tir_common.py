@@ -130,14 +130,22 @@ def row_sums(buf, base):
     return tirx.Shuffle([low, high], halves) + tirx.Shuffle([low, high], other)
 
 
-def prefetch(address):
-    """Ask the CPU to bring the cache line at `address` (a `tirx.address_of`) into all cache
-    levels, for memory the hardware prefetchers would not predict. Never faults."""
+def prefetch(address, locality: int = 3):
+    """Ask the CPU to bring the cache line at `address` (a `tirx.address_of`) closer, for
+    memory the hardware prefetchers would not predict or not early enough. Never faults.
+
+    `locality` 3 (x86 `prefetcht0`) brings it into every level, L1 included; 1
+    (`prefetcht2`) stops at the outer levels, so the request does not hold one of the few L1
+    fill buffers until the line arrives: streaming weights, see `STREAM`."""
     return tirx.call_llvm_intrin(
         "void",
         "llvm.prefetch.p0",
         address,
         tirx.const(0, "int32"),  # a read
-        tirx.const(3, "int32"),  # keep in every level
+        tirx.const(locality, "int32"),
         tirx.const(1, "int32"),  # data, not instructions
     )
+
+
+# `prefetch` locality for weights streamed once per call (decode's matrix-vector kernels).
+STREAM = 1

@@ -44,7 +44,7 @@ from tvm.script import tirx as T
 
 from tallow.compiler.quant.registry import get_format
 
-from ..tir_common import prefetch
+from ..tir_common import STREAM, prefetch
 from .int8_codes import LANES, codes_of, group
 from .int8_columns import nibble_steps, scales_macro, transpose
 from .int8_ops import offset_halves
@@ -164,7 +164,7 @@ def tile_macro(qtype: str, groups: int):
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
         byte = g * LANES * block_bytes // block_weights
-        return prefetch(tirx.address_of(w[tirx.min(n, w.shape[0] - 1), byte]))
+        return prefetch(tirx.address_of(w[tirx.min(n, w.shape[0] - 1), byte]), STREAM)
 
     def broadcast(xq, row, g, s):
         """Activations 4s..4s+3 of the group, in every 32-bit lane (`xq` is [rows, groups,

@@ -22,6 +22,18 @@ Also: q4k's pairs are the low and the high nibbles of one 64-byte load (groups 4
 scales decode as one 16-lane vector, and the K-quants prefetch the row 4 KiB ahead (the
 hardware prefetchers alone left the q6k head at 15-17 GB/s cold against 28 in cache).
 
+Prefetching, since 2026-12-02: 16 KiB ahead and into L2 only (`prefetcht2`, `STREAM`), and
+the formats of `int8_vnni_legacy` too (a row's lines when the row starts). On an Intel Xeon
+with AVX-512 VNNI (2 cores of a VM) one core reads only 9-11 GB/s through these kernels
+while a plain numpy stream gets 14: with `prefetcht0` every request holds one of the core's
+few L1 fill buffers until the line comes, which caps the lines in flight. Two threads, GB/s,
+4 KiB `prefetcht0` (legacy: none) -> 16 KiB `prefetcht2`, interleaved: q4k 16384 x 2048 17.0
+-> 19.7, q6k head 17.5 -> 22, q6k 2048 x 8192 16.3 -> 23.5, q8_0 head 23.5 -> 25.9, q4_1
+1536 x 576 11 -> 16.9; Llama-3.2-1B's decode step 52-54 -> 41-42 ms, Qwen2.5-0.5B's 28.4-28.9
+-> 23.5-24.5, SmolLM2's 9.6-10.0 -> 6.4-7.7 (`benchmarks/decode_profile.py`). 64 KiB ahead
+measured the same as 16 in a model's step; `prefetcht2` for the attention's KV pages and
+the batched tiles' rows changed nothing measurable (kept: t0 in attention, t2 in the tiles).
+
 Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
 loads) -> 44 (two blocks' scales); then the two blocks' d and dmin converted as one vector
 took the two-block step (prefetches and loop control counted) from 95 to 85
@@ -41,14 +53,14 @@ from tvm.script import tirx as T
 
 from tallow.compiler.quant.registry import get_format
 
-from ..tir_common import add, prefetch, reduce_lanes
+from ..tir_common import STREAM, add, prefetch, reduce_lanes
 from . import int8_vnni_legacy
 from .int8_codes import LANES, Row, codes_of, group
 from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
 from .int8_vnni import COLS, _vpdpbusd
 
 PAIR = 2 * LANES  # weights per vpdpbusd: two groups
-AHEAD = 4096  # bytes
+AHEAD = 16384  # bytes
 
 
 def _c(i: int):
@@ -96,8 +108,11 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
             return g
         return g // 4 * 4 + g % 2 * 2 + g // 2 % 2
 
+    # the K-quants' loop prefetches as it goes; the others ask for a row's lines up front
+    row_lines = 0
     if int8_vnni_legacy.applies(qtype):
         dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
+        row_lines = -(-rb // 64) if ahead else 0
     elif codes_of(qtype).block_scales is not None and fmt.block_size % PAIR == 0:
         dot_row = _block_dot_macro(qtype, groups, halves, ahead)
     else:
@@ -135,6 +150,10 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
                 with T.sblock("dot"):
                     T.reads(w[nc * N_CHUNK + ni, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
                     T.writes(out[0, 0, nc * N_CHUNK + ni])
+                    for j in T.unroll(row_lines):
+                        T.evaluate(
+                            prefetch(T.address_of(w[nc * N_CHUNK + ni, j * 64 + ahead]), STREAM)
+                        )
                     dot_row(w, nc * N_CHUNK + ni, xp, xr, sums, xmf, out)
 
     return gemv
@@ -152,7 +171,7 @@ def _block_dot_macro(qtype: str, groups: int, halves: int, ahead: int):
     lines = (2 * fmt.type_size + 63) // 64 if ahead else 0  # per step, at most 2 blocks
 
     def prefetch_ahead(w, n, byte):
-        return prefetch(tirx.address_of(w[n, byte + ahead]))
+        return prefetch(tirx.address_of(w[n, byte + ahead]), STREAM)
 
     # two super-blocks a step where the row has an even number: their scales decode as one
     # vector of twice the lanes (q4k: 16-lane instructions instead of two 8-lane runs)
