@@ -33,6 +33,10 @@ few L1 fill buffers until the line comes, which caps the lines in flight. Two th
 -> 23.5-24.5, SmolLM2's 9.6-10.0 -> 6.4-7.7 (`benchmarks/decode_profile.py`). 64 KiB ahead
 measured the same as 16 in a model's step; `prefetcht2` for the attention's KV pages and
 the batched tiles' rows changed nothing measurable (kept: t0 in attention, t2 in the tiles).
+Then two memory streams per task (`STREAMS`: a task's rows alternate between the first and
+the second half of the weight, so each core follows two address streams): Llama-3.2-1B's
+step, 7 interleaved rounds, 39.8-44.9 (median 41.5) -> 37.2-38.6 ms (37.7; one outlier at
+48.8 left out); four streams 38.0-40.6.
 
 Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
 loads) -> 44 (two blocks' scales); then the two blocks' d and dmin converted as one vector
@@ -61,6 +65,9 @@ from .int8_vnni import COLS, _vpdpbusd
 
 PAIR = 2 * LANES  # weights per vpdpbusd: two groups
 AHEAD = 16384  # bytes
+# Each parallel task takes its rows from this many regions of the weight, a row from each in
+# turn: more concurrent streams per core for the prefetchers (see the module doc).
+STREAMS = 2
 
 
 def _c(i: int):
@@ -108,6 +115,7 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
             return g
         return g // 4 * 4 + g % 2 * 2 + g // 2 % 2
 
+    streams = STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
     # the K-quants' loop prefetches as it goes; the others ask for a row's lines up front
     row_lines = 0
     if int8_vnni_legacy.applies(qtype):
@@ -145,16 +153,15 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
             for i in range(padded - slots):
                 sums[slots + i] = T.float32(0)
                 xmf[slots + i] = T.float32(0)
-        for nc in T.parallel(n_out // N_CHUNK):
-            for ni in range(N_CHUNK):
+        for nc in T.parallel(n_out // N_CHUNK // streams):
+            for ni, si in T.grid(N_CHUNK, streams):
                 with T.sblock("dot"):
-                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
-                    T.writes(out[0, 0, nc * N_CHUNK + ni])
+                    row = T.meta_var((si * (n_out // N_CHUNK // streams) + nc) * N_CHUNK + ni)
+                    T.reads(w[row, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
+                    T.writes(out[0, 0, row])
                     for j in T.unroll(row_lines):
-                        T.evaluate(
-                            prefetch(T.address_of(w[nc * N_CHUNK + ni, j * 64 + ahead]), STREAM)
-                        )
-                    dot_row(w, nc * N_CHUNK + ni, xp, xr, sums, xmf, out)
+                        T.evaluate(prefetch(T.address_of(w[row, j * 64 + ahead]), STREAM))
+                    dot_row(w, row, xp, xr, sums, xmf, out)
 
     return gemv
 
