@@ -9,7 +9,9 @@ at the memory's speed: on the 2-core Zen 4 this was written on, one thread reads
 (format, rows N x row length K) of Llama 3.2 1B, Qwen2.5 0.5B or Gemma 3 270M, the output heads
 included (the largest single kernels of a decode step). The weights are random blocks
 quantized by `tallow.compiler.quant` (a 512-row slab repeated, so even the 200 MB heads are
-quick to make), with enough copies that every call reads them from memory, not cache.
+quick to make), with enough copies that every call reads them from memory, not cache
+(`COLD_BYTES`: past a Zen 4's L3; an Intel Xeon with 480 MiB of L3 holds them, so there the
+figures are L3's, still a core's limit on lines in flight: docs/benchmarks.md).
 
 `--clock cpu` times the process's CPU time: with `TVM_NUM_THREADS=1` on a shared machine it
 is the steadier figure (the wall clock also counts the time others hold the core). Cases
