@@ -57,7 +57,7 @@ def host_weights(tvm, arrays: list[np.ndarray], device) -> list:
         return [tvm.runtime.tensor(a, device) for a in arrays]
     try:
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # (no MAP_* on Windows)
         log.info("weights in the default allocation (no anonymous mapping: %s)", e)
         return [tvm.runtime.tensor(a, device) for a in arrays]
     raw = np.frombuffer(region, dtype=np.uint8)  # keeps `region` alive through the views
