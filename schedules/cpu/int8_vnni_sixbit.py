@@ -48,21 +48,22 @@ def transposed_runs(w, n0, b, half: int, qtype: str):
     return runs
 
 
-def group_steps(lows0, lows1, highs, j: int):
-    """The 8 step vectors of group `j` (0..3) of a 128-weight half, from the stored runs."""
+def group_steps(lows0, lows1, highs, j):
+    """The 8 step vectors of group `j` (0..3, a constant once the tile's loop is unrolled) of
+    a 128-weight half, from the stored runs."""
     nibble = tirx.Broadcast(tirx.const(0x0F0F0F0F, "int32"), COLS)
     two_bits = tirx.Broadcast(tirx.const(0x03030303, "int32"), COLS)
-    lows = lows0 if j % 2 == 0 else lows1
+    low_shift = tirx.Broadcast(tirx.Cast("int32", j // 2 * 4), COLS)
+    high_shift = tirx.Broadcast(tirx.Cast("int32", j * 2), COLS)
     out = []
     for s in range(STEPS):
-        low = lows.vload([s * COLS], "int32x16")
-        if j >= 2:
-            low = low >> tirx.Broadcast(tirx.const(4, "int32"), COLS)
+        low = tirx.Select(
+            j % 2 == 0, lows0.vload([s * COLS], "int32x16"), lows1.vload([s * COLS], "int32x16")
+        )
         high = highs.vload([s * COLS], "int32x16")
-        if j:
-            high = high >> tirx.Broadcast(tirx.const(2 * j, "int32"), COLS)
         out.append(
-            (low & nibble) | ((high & two_bits) << tirx.Broadcast(tirx.const(4, "int32"), COLS))
+            ((low >> low_shift) & nibble)
+            | (((high >> high_shift) & two_bits) << tirx.Broadcast(tirx.const(4, "int32"), COLS))
         )
     return out
 
@@ -107,81 +108,25 @@ def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_sc
             store_vectors(lows0, runs[0])
             store_vectors(lows1, runs[1])
             store_vectors(highs, runs[2])
-            one_group(
-                w,
-                n0,
-                r0,
-                rows,
-                xq,
-                steps,
-                xs,
-                acc,
-                a0,
-                c0,
-                q * QUAD,
-                ct,
-                sc,
-                lows0,
-                lows1,
-                highs,
-                0,
-            )
-            one_group(
-                w,
-                n0,
-                r0,
-                rows,
-                xq,
-                steps,
-                xs,
-                acc,
-                a0,
-                c0,
-                q * QUAD + 1,
-                ct,
-                sc,
-                lows0,
-                lows1,
-                highs,
-                1,
-            )
-            one_group(
-                w,
-                n0,
-                r0,
-                rows,
-                xq,
-                steps,
-                xs,
-                acc,
-                a0,
-                c0,
-                q * QUAD + 2,
-                ct,
-                sc,
-                lows0,
-                lows1,
-                highs,
-                2,
-            )
-            one_group(
-                w,
-                n0,
-                r0,
-                rows,
-                xq,
-                steps,
-                xs,
-                acc,
-                a0,
-                c0,
-                q * QUAD + 3,
-                ct,
-                sc,
-                lows0,
-                lows1,
-                highs,
-                3,
-            )
+            for j in T.unroll(QUAD):
+                one_group(
+                    w,
+                    n0,
+                    r0,
+                    rows,
+                    xq,
+                    steps,
+                    xs,
+                    acc,
+                    a0,
+                    c0,
+                    q * QUAD + j,
+                    ct,
+                    sc,
+                    lows0,
+                    lows1,
+                    highs,
+                    j,
+                )
 
     return tile
