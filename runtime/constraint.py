@@ -8,9 +8,11 @@ grammar string (`SamplingParams.grammar`), made by one of the builders:
 * `json_object_grammar()`: any JSON object (OpenAI's `json_object` mode);
 * `regex_grammar(pattern)`, `choice_grammar(choices)`, `lark_grammar(text)`.
 
-Builders never fail; `check_grammar(grammar, tokenizer)` compiles a grammar and raises
-`GrammarError` (a `ValueError` carrying llguidance's message), which a front end reports as a
-bad request before the engine sees it.
+Builders refuse only a grammar past tallow's size limits (`grammar_limits.py`: a deep enough
+grammar crashes llguidance) or a schema that is not one; `check_grammar(grammar, tokenizer)`
+compiles a grammar and raises `GrammarError` (a `ValueError` carrying llguidance's message),
+which a front end reports as a bad request before the engine sees it. Everything that
+compiles runs on a deep-stack thread (`deep_stack.py`).
 
 `grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)` wraps the artifact's `tokenizers`
 tokenizer once per model (about 0.3 s for a 49k vocabulary): the mask is `vocab_size` wide, the
@@ -35,6 +37,9 @@ from typing import Any
 
 import llguidance as llg
 import numpy as np
+
+from tallow.runtime import grammar_limits
+from tallow.runtime.deep_stack import run_on_deep_stack
 
 __all__ = [
     "GRAMMAR_ERROR",
@@ -72,9 +77,12 @@ def json_schema_grammar(schema: dict[str, Any], strict: bool = True) -> str:
     (the output may then not validate against them); strict: they are an error."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON Schema must be a JSON object")
+    _within_limits(grammar_limits.check_schema, schema)
     try:
-        return llg.LLMatcher.grammar_from_json_schema(
-            schema, overrides=None if strict else {"lenient": True}
+        return run_on_deep_stack(
+            llg.LLMatcher.grammar_from_json_schema,
+            schema,
+            overrides=None if strict else {"lenient": True},
         )
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid JSON Schema: {e}") from None
@@ -87,20 +95,34 @@ def json_object_grammar() -> str:
 
 def regex_grammar(pattern: str) -> str:
     """Text that `pattern` matches in full (Rust regex syntax: no lookarounds or backrefs)."""
-    return llg.LLMatcher.grammar_from_regex(pattern)
+    _within_limits(grammar_limits.check_regex, pattern)
+    return run_on_deep_stack(llg.LLMatcher.grammar_from_regex, pattern)
 
 
 def choice_grammar(choices: list[str]) -> str:
     """Exactly one of `choices`."""
     if not choices:
         raise GrammarError("a choice needs at least one option")
-    # Lark string literals take JSON string escapes.
-    return lark_grammar("start: " + " | ".join(json.dumps(str(c)) for c in choices))
+    _within_limits(grammar_limits.check_choices, choices)
+    # One terminal, not one rule alternative per option: llguidance's parser keeps an item per
+    # live alternative and stops at 2,000 in a row (a 2,500-option choice compiled, then ended
+    # in "grammar_error" after its first token); a terminal's options are one lexer automaton,
+    # built lazily, whatever their number (60,000 options: 0.3 s to compile). Lark string
+    # literals take JSON string escapes.
+    return lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(str(c)) for c in choices))
 
 
 def lark_grammar(text: str) -> str:
     """A grammar in llguidance's Lark dialect (`start` is the start rule)."""
-    return llg.LLMatcher.grammar_from_lark(text)
+    _within_limits(grammar_limits.check_lark, text)
+    return run_on_deep_stack(llg.LLMatcher.grammar_from_lark, text)
+
+
+def _within_limits(check: Any, value: Any) -> None:
+    try:
+        check(value)
+    except grammar_limits.GrammarLimitError as e:
+        raise GrammarError(str(e)) from None
 
 
 def check_grammar(grammar: str, tokenizer: GrammarTokenizer | None = None) -> None:
@@ -112,7 +134,7 @@ def check_grammar(grammar: str, tokenizer: GrammarTokenizer | None = None) -> No
     if tokenizer is not None:
         tokenizer.matcher(grammar)
         return
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = run_on_deep_stack(llg.LLMatcher.validate_grammar_with_warnings, grammar)
     if is_error:
         raise GrammarError(_clean(messages[0] if messages else "invalid grammar"))
 
@@ -150,8 +172,9 @@ class GrammarTokenizer:
             if template is not None:
                 self._templates.move_to_end(grammar)
                 return GrammarMatcher(self, template.deep_copy())
-        # Compiling drops the GIL; it runs outside the lock so others are not held up.
-        m = llg.LLMatcher(self.ll, grammar, log_level=0)
+        # Compiling drops the GIL; it runs outside the lock so others are not held up, on a
+        # deep stack: llguidance recurses as deep as the grammar nests (`deep_stack.py`).
+        m = run_on_deep_stack(llg.LLMatcher, self.ll, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(_clean(m.get_error()))
         with self._lock:

@@ -94,10 +94,11 @@ class EmbeddingRequests:
             )
         self.scheduler.check_request(n, 0, 1)
 
-    def add(self, rid: str, prompt: list[int]) -> Request:
+    def add(self, rid: str, prompt: list[int], group: str | None = None) -> Request:
         """Schedule the prompt's prefill and start its pooling."""
         params = SamplingParams(max_tokens=1)  # unused: an embedding samples nothing
-        req = Request(rid, prompt, params, self.scheduler.next_arrival_index(), embed=True)
+        arrival = self.scheduler.next_arrival_index()
+        req = Request(rid, prompt, params, arrival, embed=True, group=group)
         seq = self.scheduler.add_request(req)
         pooling = self.runner.embedding_pooling
         assert pooling is not None

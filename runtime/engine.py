@@ -212,6 +212,11 @@ class Engine:
         return bool(getattr(self.runner, "supports_generation", True))
 
     @property
+    def max_num_seqs(self) -> int:
+        """The most sequences one step runs."""
+        return self.scheduler.config.max_num_seqs
+
+    @property
     def embedding_dimensions(self) -> int:
         """The width of an embedding (the model's hidden size)."""
         return int(self.runner.hidden_size)
@@ -221,40 +226,62 @@ class Engine:
         self._embeddings.check_prompt(prompt_token_ids)
 
     def submit_embedding(
-        self, prompt_token_ids: list[int], sink: Sink, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sink: Sink,
+        request_id: str | None = None,
+        group: str | None = None,
     ) -> str:
         """Validate and queue one embedding request; its `EmbeddingOutput` (or an error, or a
-        `RequestOutput` with finish_reason "abort") goes to `sink` from the step thread."""
+        `RequestOutput` with finish_reason "abort") goes to `sink` from the step thread.
+        Requests of one `group` take one prefill turn together (`fairness`)."""
         self.check_embedding_prompt(prompt_token_ids)
         rid = request_id or uuid.uuid4().hex
         prompt = [int(t) for t in prompt_token_ids]
-        self._inbox.add_request(rid, functools.partial(self._add_embedding, rid, prompt, sink))
+        add = functools.partial(self._add_embedding, rid, prompt, sink, group)
+        self._inbox.add_request(rid, add)
         self._step_loop.wake()
         return rid
 
-    async def embed(self, prompts: list[list[int]]) -> list[np.ndarray]:
+    async def embed(
+        self, prompts: list[list[int]], max_in_flight: int | None = None
+    ) -> list[np.ndarray]:
         """Pooled, L2-normalised float32 embeddings of `prompts` (call from a loop).
 
         Every prompt is validated before any is queued, so a bad one raises with nothing
-        running; cancelling the call aborts what is still in flight.
+        running. At most `max_in_flight` prompts are in the engine at once (all by default),
+        the next queued as each finishes: a 2,048-input request then holds a window of the
+        queue, not all of it, and requests arriving behind it are admitted (issue 33: 22 of
+        23 chat requests got 429 while one such request ran). The prompts take their prefill
+        turns as one group. The first error ends the call; cancelling it, or an error, aborts
+        what is still in flight.
         """
         for p in prompts:
             self.check_embedding_prompt(p)
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[np.ndarray]] = []
-        rids: list[str] = []
+        window = max(1, max_in_flight or len(prompts))
+        group = uuid.uuid4().hex
+        results: list[np.ndarray | None] = [None] * len(prompts)
+        in_flight: dict[asyncio.Future[np.ndarray], tuple[int, str]] = {}
+        queued = 0
         try:
-            for p in prompts:
-                fut: asyncio.Future[np.ndarray] = loop.create_future()
-                rids.append(self.submit_embedding(p, EmbeddingFutureSink(loop, fut)))
-                futures.append(fut)
-            self.start()
-            return list(await asyncio.gather(*futures))
-        except BaseException:
-            for rid, fut in zip(rids, futures, strict=False):
+            while queued < len(prompts) or in_flight:
+                while queued < len(prompts) and len(in_flight) < window:
+                    fut: asyncio.Future[np.ndarray] = loop.create_future()
+                    sink = EmbeddingFutureSink(loop, fut)
+                    rid = self.submit_embedding(prompts[queued], sink, group=group)
+                    in_flight[fut] = (queued, rid)
+                    queued += 1
+                self.start()
+                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    index, _ = in_flight.pop(fut)
+                    results[index] = fut.result()
+            return results  # type: ignore[return-value]
+        finally:
+            for fut, (_, rid) in in_flight.items():
                 if not fut.done():
                     self.abort(rid)
-            raise
 
     def embed_sync(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """`embed` without an event loop: runs steps until every prompt is embedded."""
@@ -349,14 +376,23 @@ class Engine:
         group: str | None = None,
     ) -> None:
         req = Request(rid, prompt, params, self.scheduler.next_arrival_index(), group=group)
-        seq = self.scheduler.add_request(req)
         state = RequestState(request=req, sink=sink)
         self._table.requests[rid] = state
+        if params.max_tokens == 0 and params.prompt_logprobs is None:
+            # Nothing to generate and nothing to score (`echo` with max_tokens 0 returns the
+            # prompt alone): finished at once, without a forward.
+            state.num_finished = params.n
+            ends = [CompletionDelta(index=i, finish_reason="length") for i in range(params.n)]
+            self._table.emit(state, ends)
+            return
+        seq = self.scheduler.add_request(req)
         self._table.track(state, seq, matcher)
         self._prompt_tokens += len(prompt)
 
-    def _add_embedding(self, rid: str, prompt: list[int], sink: Sink) -> None:
-        req = self._embeddings.add(rid, prompt)
+    def _add_embedding(
+        self, rid: str, prompt: list[int], sink: Sink, group: str | None = None
+    ) -> None:
+        req = self._embeddings.add(rid, prompt, group)
         self._table.requests[rid] = RequestState(request=req, sink=sink)
         self._prompt_tokens += len(prompt)
 

@@ -47,8 +47,6 @@ class SamplingParams:
 
         if not 0 <= self.max_tokens <= INT32_MAX:
             raise bad("max_tokens", f"must be between 0 and {INT32_MAX}")
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise bad("max_tokens", "0 generates nothing; it needs prompt_logprobs")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:

@@ -25,13 +25,21 @@ from typing import Any
 
 from .artifact import TokenizerBundle
 from .chat_template import ChatTemplate, ChatTemplateError
+from .constraint import GrammarTokenizer, check_grammar, grammar_tokenizer
+from .request import ContextLengthExceededError
 
 __all__ = [
     "ChatTemplateError",
     "NoChatTemplateError",
+    "PromptTooLongError",
     "ServedModel",
     "TokenIdError",
 ]
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """A prompt with more characters than the context window's tokens could spell, refused
+    before tokenizing it (megabytes of text take seconds to tokenize)."""
 
 
 class NoChatTemplateError(ValueError):
@@ -91,10 +99,44 @@ class ServedModel:
 
     # -- prompts -------------------------------------------------------------------------------
 
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_text(
+        self, text: str, add_special_tokens: bool = True, *, within_context: bool = False
+    ) -> list[int]:
         """Plain text gets the tokenizer's special tokens (BOS) unless told otherwise; special
-        tokens spelled inside `text` stay text (see the module docstring)."""
+        tokens spelled inside `text` stay text (see the module docstring). `within_context`:
+        raise `PromptTooLongError` for text too long to fit, without tokenizing it."""
+        if within_context:
+            self.check_prompt_chars(text)
         return list(self._text_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def check_prompt_chars(self, text: str) -> None:
+        """Raise `PromptTooLongError` when `text` needs more tokens than the context window
+        holds, judged from its length alone: no token spells more than `max_token_chars`
+        characters, so a text longer than window x that cannot fit. Exact, and free: a 3.6 MB
+        message that could never fit took 3.8 s to tokenize before it was refused."""
+        limit = self.context_window * self.max_token_chars
+        if len(text) <= limit:
+            return
+        # What the tokenizer splits is the normalized text, which may be shorter (NFC joins
+        # a letter and its combining accent; a strip drops spaces).
+        normalizer = getattr(self.tokenizer, "normalizer", None)
+        n = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+        if n > limit:
+            raise PromptTooLongError(
+                f"this model's context window is {self.context_window} tokens; the prompt has "
+                f"{n} characters, more than {self.context_window} tokens can hold (one token "
+                f"spells at most {self.max_token_chars} characters)"
+            )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters a token's text can cover: the longest vocabulary entry (a
+        byte-level vocabulary writes each byte as one character, so an entry is never
+        shorter than the text it decodes to)."""
+        get_vocab = getattr(self.tokenizer, "get_vocab", None)
+        if get_vocab is None:
+            return 1 << 30  # not a `tokenizers.Tokenizer`: no bound
+        return max((len(t) for t in get_vocab(with_added_tokens=True)), default=1)
 
     def render_chat(self, messages: list[Mapping[str, Any]], **template_kwargs: Any) -> str:
         """The prompt text for a conversation, ready for the assistant's turn. Extra keyword
@@ -109,7 +151,11 @@ class ServedModel:
         )
 
     def render_and_encode_chat(
-        self, messages: list[Mapping[str, Any]], **template_kwargs: Any
+        self,
+        messages: list[Mapping[str, Any]],
+        *,
+        within_context: bool = False,
+        **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The rendered prompt text and its ids (for callers that inspect the text too).
 
@@ -119,7 +165,8 @@ class ServedModel:
         tokenized piece by piece: the template's pieces with special-token parsing, each marker
         as the text it stands for, without. A conversation that spells no special token (the
         usual case) renders and tokenizes in one piece, exactly as transformers'
-        `apply_chat_template` does.
+        `apply_chat_template` does. `within_context`: a rendered prompt too long to fit raises
+        `PromptTooLongError` before it is tokenized.
         """
         specials = self._special_pattern
         originals: list[str] = []
@@ -143,10 +190,14 @@ class ServedModel:
             marked_kwargs = _map_strings(template_kwargs, mark)
         if not originals:
             text = self.render_chat(messages, **template_kwargs)
+            if within_context:
+                self.check_prompt_chars(text)
             # The template writes BOS itself where the model wants it (transformers assumes the
             # same), so the tokenizer must not add another.
             return text, self._encode_template_text(text)
         rendered = self.render_chat(marked_messages, **marked_kwargs)
+        if within_context:
+            self.check_prompt_chars(rendered)
         pieces = re.split(f"{sentinel}([0-9]+){sentinel}", rendered)
         ids: list[int] = []
         text_parts: list[str] = []
@@ -190,6 +241,18 @@ class ServedModel:
             return None
         ordered = sorted(texts, key=lambda t: (-len(t), t))
         return re.compile("|".join(re.escape(t) for t in ordered))
+
+    # -- grammars ------------------------------------------------------------------------------
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """llguidance's view of the tokenizer, shared with the engine (and its cache of
+        compiled grammars, so a grammar a front end checked is not compiled again)."""
+        return grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Compile `grammar` for this model as the engine will; raises `GrammarError`."""
+        check_grammar(grammar, self.grammar_tokenizer)
 
     # -- token ids -----------------------------------------------------------------------------
 

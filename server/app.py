@@ -34,6 +34,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         context.state.ready = False
         context.state.draining = True
         await context.engine.shutdown()
+        context.workers.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(engine: Any, model_name: str, options: ServerOptions | None = None) -> FastAPI:

@@ -13,15 +13,25 @@ one. And text that is not valid Unicode becomes valid here, in one place for eve
 lone surrogate that a JSON `\\uXXXX` escape produced, and each byte that is not UTF-8, becomes
 U+FFFD (what a UTF-8 decoder makes of broken text), so tokenizers and JSON encoders never meet
 a string they cannot encode.
+
+Nothing that costs in proportion to what a client sends runs on the event loop: parsing and
+validating a body, templating, tokenizing, compiling a grammar and rendering a large answer go
+to `ServerContext.off_loop`'s threads (issue 33: a 60,000-option `guided_choice` held `/health`
+for 6-11 s and paused a running stream for 14 s; a 3.6 MB prompt stalled the loop for 5 s). The
+loop only moves bytes. A body nested deeper than `MAX_JSON_DEPTH` is refused before anything
+walks it: every layer above (pydantic, the chat template, llguidance) recurses through it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 import math
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -33,6 +43,17 @@ from .errors import APIError, bad_request, from_validation_error
 from .metrics import ServerMetrics
 
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
+
+# The deepest a request body may nest (objects and arrays). JSON schemas and tool parameters
+# of real use nest a few dozen levels; 475 levels reached Python's recursion limit in the chat
+# template's string walk (a 500, issue 33), and each layer below recurses through the body.
+MAX_JSON_DEPTH = 128
+
+# Threads for request preparation (`ServerContext.off_loop`). Four: a heavy request (a 4 MB
+# prompt to tokenize, a large grammar) does not make every other one wait behind it, and
+# the engine's own step thread is never among them.
+PREPARE_THREADS = 4
 
 
 @dataclass
@@ -70,6 +91,17 @@ class ServerContext:
     options: ServerOptions
     state: ServerState
     metrics: ServerMetrics
+    workers: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            PREPARE_THREADS, thread_name_prefix="tallow-prepare"
+        )
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on a preparation thread, so the event loop stays free. If
+        the request is cancelled (client gone), the call still runs to its end, unread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -116,7 +148,8 @@ def check_json_content_type(request: Request) -> None:
         )
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int) -> bytes:
+    """The raw body, refused past `limit` bytes (chunked bodies too) or when not JSON."""
     check_json_content_type(request)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -127,6 +160,32 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_deep() -> APIError:
+    return bad_request(
+        f"the body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+        code="nesting_too_deep",
+    )
+
+
+def nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` has objects/arrays more than `limit` levels deep (no recursion:
+    it is what keeps recursion away from the rest)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object: strict (no NaN, no infinite numbers), at most `MAX_JSON_DEPTH`
+    deep, its text valid Unicode. A blocking call: run it off the loop."""
 
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
@@ -137,19 +196,21 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
             raise ValueError(f"the number {text[:40]} is out of range")
         return value
 
-    raw = b"".join(chunks)
     strict = {"parse_constant": no_constants, "parse_float": finite}
     try:
         try:
             body = json.loads(raw, **strict)
         except UnicodeDecodeError:  # not UTF-8: repair the text, as for lone surrogates
             body = json.loads(raw.decode("utf-8", "replace"), **strict)
-        body = valid_text(body)
-    except (ValueError, RecursionError) as e:
+    except RecursionError:  # deeper than the parser goes: far past the limit
+        raise _too_deep() from None
+    except ValueError as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", code="invalid_request")
-    return body
+    if nests_deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return valid_text(body)
 
 
 def json_body(model: type[Body]) -> Callable[[Request, ServerContext], Awaitable[Body]]:
@@ -160,10 +221,14 @@ def json_body(model: type[Body]) -> Callable[[Request, ServerContext], Awaitable
     """
 
     async def parse(request: Request, context: Context) -> Body:
-        body = await read_json(request, context.options.max_body_bytes)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        raw = await read_json(request, context.options.max_body_bytes)
+        return await context.off_loop(_validated, model, raw)
 
     return parse
+
+
+def _validated(model: type[Body], raw: bytes) -> Body:
+    try:
+        return model.model_validate(parse_json(raw))
+    except ValidationError as e:
+        raise from_validation_error(e) from None

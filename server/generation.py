@@ -4,7 +4,8 @@ its events or wait for the whole body while watching for the client leaving."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,6 +16,8 @@ from tallow.runtime.sampling_params import SamplingParams
 from .context import ServerContext
 from .formatters import ResponseFormatter
 from .jobs import Job
+
+T = TypeVar("T")
 
 
 class SSEResponse(StreamingResponse):
@@ -36,6 +39,26 @@ class SSEResponse(StreamingResponse):
 async def _until_disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (whatever it
+    started in the engine is aborted by its own cleanup) and `ClientGone` is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientGone
+    return task.result()
 
 
 async def generate_response(
@@ -61,16 +84,11 @@ async def generate_response(
     if stream:
         num_choices = len(prompts) * job.n
         return SSEResponse(formatter.stream(job, include_usage, num_choices), job)
-    # Non-streaming: watch for the client leaving while the job runs, and abort it then.
-    work = asyncio.ensure_future(formatter.collect(job))
-    gone = asyncio.ensure_future(_until_disconnected(request.receive))
     try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            job.close()
-    if work not in done:
+        body = await unless_client_leaves(request, formatter.collect(job))
+    except ClientGone:
         return Response(status_code=499)  # nobody reads it; the status is for the log
-    return JSONResponse(work.result().model_dump())
+    finally:
+        job.close()  # a collect cancelled before it started never closed the job itself
+    # A long answer with logprobs is megabytes of JSON: rendered off the loop.
+    return await context.off_loop(lambda: JSONResponse(body.model_dump()))

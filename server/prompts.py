@@ -18,9 +18,7 @@ from typing import Any
 
 from tallow.runtime.constraint import (
     GrammarError,
-    check_grammar,
     choice_grammar,
-    grammar_tokenizer,
     json_object_grammar,
     json_schema_grammar,
     lark_grammar,
@@ -30,6 +28,7 @@ from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.served_model import (
     ChatTemplateError,
     NoChatTemplateError,
+    PromptTooLongError,
     ServedModel,
     TokenIdError,
 )
@@ -95,12 +94,19 @@ def encode_messages(
 
 
 def render_messages(
-    model: ServedModel, messages: list[ChatMessage], **template_kwargs: Any
+    model: ServedModel,
+    messages: list[ChatMessage],
+    *,
+    within_context: bool = False,
+    **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """A conversation's prompt text and ids; template errors become 400s."""
+    """A conversation's prompt text and ids; template errors become 400s, and so does a
+    prompt too long for the context window when `within_context`."""
     convo = [template_message(m) for m in messages]
     try:
-        return model.render_and_encode_chat(convo, **template_kwargs)
+        return model.render_and_encode_chat(convo, within_context=within_context, **template_kwargs)
+    except PromptTooLongError as e:
+        raise bad_request(str(e), "messages", PromptTooLongError.code) from None
     except NoChatTemplateError:
         raise bad_request(
             "this model has no chat template; use /v1/completions", "messages"
@@ -118,14 +124,18 @@ def check_token_ids(model: ServedModel, ids: list[int], param: str) -> None:
 
 def completion_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]]:
     p = req.prompt
-    if isinstance(p, str):
-        prompts = [model.encode_text(p)]
-    elif all(isinstance(x, str) for x in p):
-        prompts = [model.encode_text(x) for x in p]  # type: ignore[arg-type]
-    elif all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
-    else:
-        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    try:
+        if isinstance(p, str):
+            prompts = [model.encode_text(p, within_context=True)]
+        elif all(isinstance(x, str) for x in p):
+            texts: list[str] = p  # type: ignore[assignment]
+            prompts = [model.encode_text(x, within_context=True) for x in texts]
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    except PromptTooLongError as e:
+        raise bad_request(str(e), "prompt", PromptTooLongError.code) from None
     if not prompts:
         raise bad_request("the prompt is empty", "prompt")
     if len(prompts) * req.n > 64:
@@ -183,8 +193,7 @@ def request_grammar(req: _SamplingRequest, model: ServedModel) -> str | None:
             grammar = choice_grammar(req.guided_choice)  # type: ignore[arg-type]
         else:
             grammar = lark_grammar(req.guided_grammar)  # type: ignore[arg-type]
-        tokenizer = grammar_tokenizer(model.tokenizer, model.vocab_size, model.eos_token_ids)
-        check_grammar(grammar, tokenizer)
+        model.check_grammar(grammar)
     except GrammarError as e:
         raise bad_request(f"{param}: {e}", param) from None
     return grammar
@@ -316,7 +325,8 @@ def chat_inputs(
     tools = _check_tools(req)
     forced = req.tool_choice == "required" or not isinstance(req.tool_choice, (str, type(None)))
     parser = _tool_parser(req, model, forced)
-    prompt, ids = render_messages(model, req.messages, **_template_kwargs(req, tools))
+    kwargs = _template_kwargs(req, tools)
+    prompt, ids = render_messages(model, req.messages, within_context=True, **kwargs)
     source = model.chat_template.template_source if model.chat_template else None
     reasoning = template_has_reasoning(source)
     output = ChatOutputOptions(

@@ -7,7 +7,7 @@ OpenAI does: it has no tokens to pool.
 
 from __future__ import annotations
 
-from tallow.runtime.served_model import ServedModel
+from tallow.runtime.served_model import PromptTooLongError, ServedModel
 
 from .errors import bad_request
 from .prompts import check_token_ids
@@ -28,7 +28,10 @@ def embedding_prompts(req: EmbeddingRequest, model: ServedModel) -> list[list[in
             where = "input" if isinstance(inp, str) else f"input.{i}"
             if not text:
                 raise bad_request(f"{where}: an empty string has nothing to embed", "input")
-            ids = model.encode_text(text)
+            try:
+                ids = model.encode_text(text, within_context=True)
+            except PromptTooLongError as e:
+                raise bad_request(f"{where}: {e}", "input", PromptTooLongError.code) from None
             if not ids:
                 raise bad_request(f"{where}: the text encodes to no tokens", "input")
             prompts.append(ids)

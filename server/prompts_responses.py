@@ -18,7 +18,6 @@ from pydantic import ValidationError
 
 from tallow.runtime.constraint import (
     GrammarError,
-    check_grammar,
     json_object_grammar,
     json_schema_grammar,
 )
@@ -156,7 +155,7 @@ def responses_param(e: APIError) -> APIError:
 
 
 def attach_text_format_grammar(
-    params: SamplingParams, fmt: TextFormatJSONObject | TextFormatJSONSchema
+    params: SamplingParams, fmt: TextFormatJSONObject | TextFormatJSONSchema, model: ServedModel
 ) -> None:
     """Put `text.format`'s JSON grammar on `params` (an unset `strict` counts as strict, as
     for the chat route's `response_format`); a schema llguidance rejects is a 400 naming
@@ -166,7 +165,7 @@ def attach_text_format_grammar(
             grammar = json_schema_grammar(fmt.schema_, strict=fmt.strict is not False)
         else:
             grammar = json_object_grammar()
-        check_grammar(grammar)
+        model.check_grammar(grammar)
     except GrammarError as e:
         raise bad_request(f"text.format: {e}", "text") from None
     params.grammar = grammar
@@ -190,7 +189,7 @@ def responses_inputs(
     # JSON grammar would rule the calls out) and not when a call is forced (its own grammar).
     may_call = bool(req.tools) and req.tool_choice != "none"
     if isinstance(fmt, (TextFormatJSONObject, TextFormatJSONSchema)) and not may_call:
-        attach_text_format_grammar(params[0], fmt)
+        attach_text_format_grammar(params[0], fmt, model)
     return prompts, params, output
 
 

@@ -310,7 +310,7 @@ def test_text_format_attaches_a_json_grammar(qwen, monkeypatch):
 
     seen = []
     monkeypatch.setattr(
-        prompts_responses, "attach_text_format_grammar", lambda p, f: seen.append(f) or True
+        prompts_responses, "attach_text_format_grammar", lambda p, f, m: seen.append(f) or True
     )
     server, _, _ = qwen
     say(qwen, '{"city": "Paris"}')

@@ -23,7 +23,9 @@ async def chat_completions(
     req: Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))],
 ) -> Response:
     context.check_model(req.model)
-    prompts, params, output = chat_inputs(req, context.model, context.options.max_tokens_cap)
+    prompts, params, output = await context.off_loop(
+        chat_inputs, req, context.model, context.options.max_tokens_cap
+    )
     return await generate_response(
         request,
         context,

@@ -7,13 +7,24 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.served_model import ServedModel
+
 from ..context import Context, json_body
 from ..formatters import CompletionFormatter
+from ..formatters.completions import EchoedPrompt
 from ..generation import generate_response
 from ..prompts import completion_inputs, echoed_prompts
 from ..protocol import CompletionRequest, CompletionResponse
 
 router = APIRouter()
+
+
+def _inputs(
+    req: CompletionRequest, model: ServedModel, cap: int
+) -> tuple[list[list[int]], list[SamplingParams], list[EchoedPrompt] | None]:
+    prompts, params = completion_inputs(req, model, cap)
+    return prompts, params, echoed_prompts(req, model, prompts) if req.echo else None
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
@@ -23,8 +34,9 @@ async def completions(
     req: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
 ) -> Response:
     context.check_model(req.model)
-    prompts, params = completion_inputs(req, context.model, context.options.max_tokens_cap)
-    echo = echoed_prompts(req, context.model, prompts) if req.echo else None
+    prompts, params, echo = await context.off_loop(
+        _inputs, req, context.model, context.options.max_tokens_cap
+    )
     formatter = CompletionFormatter(
         context.model, context.model_name, echo, with_logprobs=req.logprobs is not None
     )

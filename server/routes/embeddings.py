@@ -5,20 +5,26 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 
 from tallow.runtime.engine import EmbeddingsNotSupportedError
 from tallow.runtime.request import ContextLengthExceededError
 
-from ..context import Context, json_body
+from ..context import Context, ServerContext, json_body
 from ..errors import APIError, bad_request
 from ..formatters import EmbeddingFormatter
+from ..generation import ClientGone, unless_client_leaves
 from ..jobs import check_queue
 from ..prompts_embeddings import check_dimensions, embedding_prompts
 from ..protocol import EmbeddingRequest, EmbeddingResponse
 
 router = APIRouter()
+
+# An embeddings request keeps this many steps' worth of sequences (x --max-num-seqs) in the
+# engine: enough that the next inputs are queued when running ones finish, so a window costs
+# no throughput, while requests arriving behind it still get in.
+EMBEDDING_WINDOW_STEPS = 2
 
 
 def _rejection(e: ValueError) -> APIError:
@@ -31,9 +37,10 @@ def _rejection(e: ValueError) -> APIError:
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
 async def embeddings(
+    request: Request,
     context: Context,
     req: Annotated[EmbeddingRequest, Depends(json_body(EmbeddingRequest))],
-) -> JSONResponse:
+) -> Response:
     context.check_model(req.model)
     engine = context.engine
     if not engine.supports_embeddings:
@@ -43,32 +50,47 @@ async def embeddings(
                 "function (compiled before embeddings were supported); recompile it"
             )
         )
-    prompts = embedding_prompts(req, context.model)
+    prompts = await context.off_loop(_prompts, req, context)
     dimensions = check_dimensions(req.dimensions, engine.embedding_dimensions)
-    try:
-        for ids in prompts:
-            engine.check_embedding_prompt(ids)
-    except ValueError as e:
-        raise _rejection(e) from None
+    # Inputs enter the engine a window at a time; the queue counts the window, not the whole
+    # request, so a large request does not lock others out (`Engine.embed`).
+    window = EMBEDDING_WINDOW_STEPS * engine.max_num_seqs
+    held = min(len(prompts), window)
     state, metrics = context.state, context.metrics
-    check_queue(state, len(prompts), context.options.max_queued_requests)
+    check_queue(state, held, context.options.max_queued_requests)
     formatter = EmbeddingFormatter(context.model_name)
     t0 = time.perf_counter()
-    state.queued += len(prompts)
+    state.queued += held
     metrics.in_flight.inc()
     reason = "abort"
     try:
-        vectors = await engine.embed(prompts)
+        vectors = await unless_client_leaves(request, engine.embed(prompts, window))
         reason = "stop"
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the status is for the log
     except ValueError as e:  # raised before anything was queued (checked above already)
         raise _rejection(e) from None
     finally:
-        state.queued -= len(prompts)
+        state.queued -= held
         metrics.in_flight.dec()
         metrics.latency.labels(formatter.endpoint).observe(time.perf_counter() - t0)
         metrics.requests.labels(formatter.endpoint, reason).inc()
     for ids in prompts:
         metrics.request_prompt_tokens.observe(len(ids))
     tokens = sum(len(ids) for ids in prompts)
-    body = formatter.response(vectors, tokens, req.encoding_format, dimensions)
-    return JSONResponse(body.model_dump())
+    # 2,048 vectors are megabytes of JSON (or base64): built off the loop.
+    return await context.off_loop(
+        lambda: JSONResponse(
+            formatter.response(vectors, tokens, req.encoding_format, dimensions).model_dump()
+        )
+    )
+
+
+def _prompts(req: EmbeddingRequest, context: ServerContext) -> list[list[int]]:
+    prompts = embedding_prompts(req, context.model)
+    try:
+        for ids in prompts:
+            context.engine.check_embedding_prompt(ids)
+    except ValueError as e:
+        raise _rejection(e) from None
+    return prompts

@@ -24,7 +24,9 @@ async def responses(
     req: Annotated[ResponseCreateRequest, Depends(json_body(ResponseCreateRequest))],
 ) -> Response:
     context.check_model(req.model)
-    prompts, params, output = responses_inputs(req, context.model, context.options.max_tokens_cap)
+    prompts, params, output = await context.off_loop(
+        responses_inputs, req, context.model, context.options.max_tokens_cap
+    )
     formatter = ResponsesFormatter(context.model, context.model_name, output, echoed_settings(req))
     try:
         return await generate_response(

@@ -8,6 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from tallow.runtime.served_model import ServedModel
+
 from ..context import Context, json_body
 from ..errors import bad_request
 from ..prompts import check_token_ids, encode_messages
@@ -24,11 +26,17 @@ async def tokenize(
     context.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
+    return await context.off_loop(_tokenize, req, context.model)
+
+
+def _tokenize(req: TokenizeRequest, model: ServedModel) -> JSONResponse:
+    # Unbounded by the context window (clients count tokens to decide what to cut), so up
+    # to the body limit: seconds of work for megabytes of text, all of it off the loop.
     if req.messages is not None:
-        ids = encode_messages(context.model, req.messages)
+        ids = encode_messages(model, req.messages)
     else:
-        ids = context.model.encode_text(req.prompt or "", req.add_special_tokens)
-    body = TokenizeResponse(tokens=ids, count=len(ids), max_model_len=context.model.context_window)
+        ids = model.encode_text(req.prompt or "", req.add_special_tokens)
+    body = TokenizeResponse(tokens=ids, count=len(ids), max_model_len=model.context_window)
     return JSONResponse(body.model_dump())
 
 
@@ -38,5 +46,9 @@ async def detokenize(
     req: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],
 ) -> JSONResponse:
     context.check_model(req.model)
-    check_token_ids(context.model, req.tokens, "tokens")
-    return JSONResponse(DetokenizeResponse(prompt=context.model.decode(req.tokens)).model_dump())
+    return await context.off_loop(_detokenize, req, context.model)
+
+
+def _detokenize(req: DetokenizeRequest, model: ServedModel) -> JSONResponse:
+    check_token_ids(model, req.tokens, "tokens")
+    return JSONResponse(DetokenizeResponse(prompt=model.decode(req.tokens)).model_dump())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tallow.runtime.constraint import GrammarError, check_grammar, lark_grammar
+from tallow.runtime.constraint import GrammarError, lark_grammar
 from tallow.runtime.served_model import ServedModel
 
 from .base import ToolCallParser
@@ -28,7 +28,7 @@ def forced_tool_grammar(
     added = {t.content for t in model.tokenizer.get_added_tokens_decoder().values()}
     lark = parser.forced_call_grammar(tools, tool_choice, parallel, added_tokens=added)
     grammar = lark_grammar(lark)
-    check_grammar(grammar)
+    model.check_grammar(grammar)  # compiled now (off the event loop), cached for the engine
     return grammar
 
 
