@@ -304,7 +304,7 @@ def _tool_parser(
     if not req.tools or req.tool_choice == "none":
         return None
     source = model.chat_template.template_source if model.chat_template else ""
-    parser = parser_for_template(source)
+    parser = parser_for_template(source, [t.function.name for t in req.tools])
     if parser is None and forced:
         return JsonListParser()  # the grammar makes the model write this generic format
     if parser is None and "tools" not in source:

@@ -6,6 +6,8 @@ format is a module with a `ToolCallParser` subclass plus an entry in `TOOL_PARSE
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .base import ToolCallParser
 from .deltas import StreamDelta, ToolCall, ToolCallDelta
 from .hermes import HermesParser
@@ -20,13 +22,16 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
 }
 
 
-def parser_for_template(template: str | None) -> ToolCallParser | None:
-    """The tool-call format of a model with this chat template, or None if none is known."""
+def parser_for_template(
+    template: str | None, tool_names: Collection[str] = ()
+) -> ToolCallParser | None:
+    """The tool-call format of a model with this chat template, or None if none is known;
+    `tool_names` are the request's tools (see `ToolCallParser.tool_names`)."""
     if not template:
         return None
     for parser in TOOL_PARSERS.values():
         if parser.matches(template):
-            return parser()
+            return parser(tool_names)
     return None
 
 

@@ -18,9 +18,15 @@ class ToolCallParser(ABC):
     """One model family's tool-call format. Subclasses set the markers and `region_reader`."""
 
     name: ClassVar[str]
-    # Region starts: anywhere in the output, or only where the output starts (after spaces).
+    # Region starts: anywhere in the output, or only where the output starts (after spaces;
+    # these may depend on `tool_names`).
     start_markers: ClassVar[tuple[str, ...]] = ()
-    leading_markers: ClassVar[tuple[str, ...]] = ()
+    leading_markers: tuple[str, ...] = ()
+
+    def __init__(self, tool_names: Collection[str] = ()) -> None:
+        # The request's tools: a format may then also read calls that it would not know from
+        # text without them (Hermes: a call object whose tag the model left out).
+        self.tool_names = frozenset(tool_names)
 
     @classmethod
     @abstractmethod

@@ -1,7 +1,8 @@
 """Region readers: what reads one tool-call region a character at a time and reports the calls
 it finds to a `CallSink` (see `stream.py` for how regions are found and what is sent when).
 Formats build their `RegionReader` from these pieces: tags (`Literal`), call objects
-(`CallObjectReader`), lists of them (`CallListReader`) and bare arguments (`ArgumentsReader`)."""
+(`CallObjectReader`; `OfferedCallReader` for one that only the request's tools tell from
+text), lists of them (`CallListReader`) and bare arguments (`ArgumentsReader`)."""
 
 from __future__ import annotations
 
@@ -232,3 +233,79 @@ class CallListReader(RegionReader):
             self._state = "next" if ch == "," else "end"
             return True
         return False
+
+
+class _HeldCall:
+    """A `CallSink` that keeps one call's reports for later."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.arguments_text: list[str] = []
+
+    def start(self, name: str) -> None:
+        self.name = name
+
+    def arguments(self, text: str) -> None:
+        self.arguments_text.append(text)
+
+    def end(self) -> None:
+        pass
+
+    def replay(self, sink: CallSink) -> None:
+        assert self.name is not None
+        sink.start(self.name)
+        sink.arguments("".join(self.arguments_text))
+        sink.end()
+
+
+class OfferedCallReader(CallObjectReader):
+    """A call written as bare JSON where plain text may stand too (no tag says it is a call):
+    exactly `{"name": N, "<arguments key>": {...}}`, those two members in that order, N one of
+    the request's tool names. Reported to the sink only once the object is complete, so text
+    that turns out not to be such a call was never sent as one and stays content as written.
+    It fails at the first character that cannot begin such an object: a key other than the
+    expected one, or a name that no offered name begins with (`{"answer"` at its `a`)."""
+
+    def __init__(
+        self, sink: CallSink, argument_keys: tuple[str, ...], names: frozenset[str]
+    ) -> None:
+        self._held = _HeldCall()
+        super().__init__(self._held, argument_keys, eager=True)
+        self._target = sink
+        self._names = names
+        self._members = 0  # member values begun
+        self._text = ""  # the key, or the name, read so far (decoded)
+
+    def _expected_keys(self) -> tuple[str, ...]:
+        return ("name",) if self._members == 0 else self._keys if self._members == 1 else ()
+
+    def feed(self, ch: str) -> bool:
+        reading = self._role  # None: a key (or the space around it); "name": the name
+        if not super().feed(ch):
+            return False
+        decoded = self._json.decoded
+        if decoded and reading in (None, "name"):
+            self._text += decoded
+            allowed = self._names if reading == "name" else self._expected_keys()
+            if not any(a.startswith(self._text) for a in allowed):
+                return False
+        if self.done:
+            self._held.replay(self._target)
+        return True
+
+    def _member(self, ch: str) -> bool:
+        expected = self._expected_keys()
+        self._members += 1
+        self._text = ""
+        if self._key not in expected or (self._key != "name" and ch != "{"):
+            return False
+        return super()._member(ch)
+
+    def _member_done(self) -> bool:
+        was_name, self._text = self._role == "name", ""
+        if not super()._member_done():
+            return False
+        return not was_name or self._name in self._names
+
+    def _object_done(self) -> bool:
+        return self._has_args and super()._object_done()

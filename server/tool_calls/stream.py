@@ -12,8 +12,10 @@ calls as it sees them:
 - A call *starts* once its name is known: as soon as the `"name"` value is complete when the
   region began with a tag of the format (`<tool_call>`, `[TOOL_CALLS]`, `<|python_tag|>`);
   when it began with bare JSON (`{`, `[`), only once the arguments value has begun too (or
-  the object ended), since plain JSON text may hold a `"name"` key. The stream then sends
-  the call's first delta: `index`, `id`, `name` and empty arguments.
+  the object ended), since plain JSON text may hold a `"name"` key. A reader may hold a call
+  back longer: Hermes' untagged calls are sent only once their object is complete (see
+  `OfferedCallReader`). The stream then sends the call's first delta: `index`, `id`, `name`
+  and empty arguments.
 - The arguments come as they arrive, in pieces: the model's own JSON text for the arguments
   object, from its `{` to its `}` (whitespace and escapes as written; arguments written as a
   JSON string holding an object are that string's decoded text). Each character is checked
