@@ -107,9 +107,10 @@ def choice_grammar(choices: list[str]) -> str:
     # One terminal, not one rule alternative per option: llguidance's parser keeps an item per
     # live alternative and stops at 2,000 in a row (a 2,500-option choice compiled, then ended
     # in "grammar_error" after its first token); a terminal's options are one lexer automaton,
-    # built lazily, whatever their number (60,000 options: 0.3 s to compile). Lark string
-    # literals take JSON string escapes.
-    return lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(str(c)) for c in choices))
+    # built lazily, whatever their number (60,000 options, 1.3 MB: 1.3 s to compile, and
+    # not recursive: the Lark text limit is not theirs). Lark strings take JSON escapes.
+    text = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(str(c)) for c in choices)
+    return run_on_deep_stack(llg.LLMatcher.grammar_from_lark, text)
 
 
 def lark_grammar(text: str) -> str:

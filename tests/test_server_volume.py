@@ -360,3 +360,25 @@ def test_echo_without_logprobs_returns_the_prompt(server, bundle):
         for ch in chunk.choices:
             texts[ch.index] = texts.get(ch.index, "") + ch.text
     assert texts == {0: prompt, 1: prompt, 2: "x", 3: "x"}
+
+
+# -- tokenizing without the GIL ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["text", "chat"])
+def test_tokenizing_a_long_prompt_lets_other_threads_run(bundle, how):
+    """`tokenizers`' `encode` holds the GIL throughout; on a worker thread a 3.6 MB prompt
+    still stopped the event loop for seconds. The main thread must keep running meanwhile."""
+    model = ServedModel("tiny", bundle.tokenizer, 400, 1 << 30, frozenset(bundle.eos_token_ids))
+    text = "the capital of France is Paris, " * 60_000  # about 2 MB
+    for _ in range(2):  # the first encode of a thread can behave otherwise
+        worker = threading.Thread(
+            target=model.encode_text if how == "text" else model._encode_template_text,
+            args=(text,),
+        )
+        worker.start()
+        ticks = 0
+        while worker.is_alive():
+            threading.Event().wait(0.001)
+            ticks += 1
+        assert ticks >= 10, f"the main thread ran {ticks} times while {how} was tokenized"

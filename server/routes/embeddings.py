@@ -6,7 +6,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tallow.runtime.engine import EmbeddingsNotSupportedError
 from tallow.runtime.request import ContextLengthExceededError
@@ -14,6 +14,7 @@ from tallow.runtime.request import ContextLengthExceededError
 from ..context import Context, ServerContext, json_body
 from ..errors import APIError, bad_request
 from ..formatters import EmbeddingFormatter
+from ..formatters.embeddings import render
 from ..generation import ClientGone, unless_client_leaves
 from ..jobs import check_queue
 from ..prompts_embeddings import check_dimensions, embedding_prompts
@@ -78,12 +79,11 @@ async def embeddings(
     for ids in prompts:
         metrics.request_prompt_tokens.observe(len(ids))
     tokens = sum(len(ids) for ids in prompts)
-    # 2,048 vectors are megabytes of JSON (or base64): built off the loop.
-    return await context.off_loop(
-        lambda: JSONResponse(
-            formatter.response(vectors, tokens, req.encoding_format, dimensions).model_dump()
-        )
+    # 2,048 vectors are megabytes of JSON (or base64): built off the loop, in pieces.
+    body = await context.off_loop(
+        lambda: render(formatter.response(vectors, tokens, req.encoding_format, dimensions))
     )
+    return Response(body, media_type="application/json")
 
 
 def _prompts(req: EmbeddingRequest, context: ServerContext) -> list[list[int]]:
