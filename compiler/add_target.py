@@ -27,7 +27,13 @@ from tallow.runtime.manifest import MAIN_WEIGHTS, Manifest
 
 from .libraries import resolve_targets
 from .phases import write_weight_set
-from .pipeline import CompileOptions, CompileState, library_phases, make_partial_dir
+from .pipeline import (
+    CompileOptions,
+    CompileState,
+    library_phases,
+    make_partial_dir,
+    run_phases,
+)
 from .progress import Progress
 from .quant_plan import QuantPlan
 from .target import DTYPES
@@ -71,10 +77,9 @@ def add_targets(folder: Path, options: AddTargetOptions) -> Path:
         ("convert weights for new layouts", lambda s: _convert_new_sets(s, known_sets)),
         ("update the manifest", lambda s: _commit(s, folder, manifest, known_sets)),
     ]
+    state.final_dir = folder  # what a full disk error names
     try:
-        for i, (title, phase) in enumerate(phases, start=1):
-            state.progress.phase(i, len(phases), title)
-            state.progress.done(phase(state))
+        run_phases(state, phases)
     finally:
         if state.work_dir is not None:
             shutil.rmtree(state.work_dir, ignore_errors=True)

@@ -15,12 +15,13 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tallow.runtime.errors import TallowError
+from tallow.runtime.errors import DiskFullError, TallowError, disk_full_reason
 
 from .progress import Progress
 from .source import ModelSource
@@ -138,11 +139,11 @@ def compile_model(options: CompileOptions) -> Path:
     state = CompileState(options=options, progress=Progress(quiet=options.quiet))
     state.targets = resolve_targets(options)
     phases = _phases(state.targets)
-    options.output.mkdir(parents=True, exist_ok=True)
+    made = _missing_parents(options.output)
     try:
-        for i, (title, phase) in enumerate(phases, start=1):
-            state.progress.phase(i, len(phases), title)
-            state.progress.done(phase(state))
+        with disk_full_as_error(options.output, "create the output folder"):
+            options.output.mkdir(parents=True, exist_ok=True)
+        run_phases(state, phases)
         assert state.work_dir is not None and state.final_dir is not None
         state.work_dir.chmod(0o755)  # mkdtemp makes it private; an artifact is for sharing
         (state.work_dir / OWNER_FILE).unlink(missing_ok=True)
@@ -150,10 +151,54 @@ def compile_model(options: CompileOptions) -> Path:
             shutil.rmtree(state.final_dir)
         state.work_dir.rename(state.final_dir)
         state.work_dir = None
+        made = []
         return state.final_dir
     finally:
         if state.work_dir is not None:
             shutil.rmtree(state.work_dir, ignore_errors=True)
+        for folder in made:  # folders this compile created for --output, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def run_phases(state: CompileState, phases: list[Phase]) -> None:
+    """Run `phases` in order with a progress line each. A phase that fails on a full disk
+    raises `DiskFullError` naming the artifact it was writing and the phase (the caller
+    removes its work folder)."""
+    for i, (title, phase) in enumerate(phases, start=1):
+        state.progress.phase(i, len(phases), title)
+        with disk_full_as_error(state.final_dir or state.options.output, title):
+            summary = phase(state)
+        state.progress.done(summary)
+
+
+@contextmanager
+def disk_full_as_error(destination: Path, step: str) -> Iterator[None]:
+    """Turn a write that failed on a full disk (ENOSPC, EDQUOT, or a linker saying so) into
+    one `DiskFullError` line naming `destination`; other errors pass through."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        reason = disk_full_reason(e)
+        if reason is None:
+            raise
+        raise DiskFullError(
+            f"disk full: no space left on the device holding {destination} "
+            f"({step}: {reason}); nothing was written: free some space there and compile again"
+        ) from e
 
 
 def make_work_dir(state: CompileState, name: str) -> None:
@@ -171,10 +216,16 @@ def make_work_dir(state: CompileState, name: str) -> None:
 def make_partial_dir(parent: Path, name: str) -> Path:
     """A private `.NAME.*.partial` folder in `parent` recording its owner (after removing
     the ones whose compile was killed)."""
+    parent.mkdir(parents=True, exist_ok=True)  # a failed compile may have removed it
     remove_stale_partials(parent)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent))
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
-    (work / OWNER_FILE).write_text(json.dumps(owner), encoding="utf-8")
+    try:
+        (work / OWNER_FILE).write_text(json.dumps(owner), encoding="utf-8")
+    except BaseException:
+        # A folder with a half-written record (a full disk) would never count as stale.
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return work
 
 

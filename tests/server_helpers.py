@@ -101,10 +101,12 @@ class ServerProcess:
         return "".join(self._lines)
 
 
-def start_process(cmd: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+def start_process(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> ServerProcess:
     """Run a server that binds port 0 and prints `serving NAME on URL` once listening (what
     `tallow serve` and tests/fake_serve.py do); returns when it listens, with its URL."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     found: queue.Queue[str | None] = queue.Queue()
 
