@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tvm.relax.frontend import nn
 
+from tallow.compiler.quant import quantize
+from tallow.model_defs.quant_ops import QuantLinear
 from tallow.runtime.fake_runner import FakeModelRunner
 from tallow.runtime.request import Request
 from tallow.runtime.sampling_params import SamplingParams
@@ -104,6 +107,92 @@ def test_recompute_after_preemption_feeds_generated_tokens_one_at_a_time():
             assert [start for start, _, _ in replay[: caught_up + 1]] == list(
                 range(8, 8 + caught_up + 1)
             )
+
+
+# -- batch_decode's matmul kernels at every CPU level ---------------------------------------------
+
+K, N = 512, 64
+BATCHES = range(1, 18)  # one to three row tiles of every kernel, whole and partial
+# Formats for each decode path: q4_1 and q6k the AVX2 column tiles (nibbles; split halves with
+# the multiplier in float), q8_0 the row tiles; every one the float schedule without AVX2.
+QTYPES = ("q4_1", "q6k", "q8_0")
+
+
+class _Projections(nn.Module):
+    def __init__(self):
+        for qtype in QTYPES:
+            setattr(self, qtype, QuantLinear(K, N, qtype))
+        self.dense = nn.Linear(K, N, bias=False)  # an f32 artifact's weights
+
+    def batch_decode(self, x):
+        return (*(getattr(self, q)(x) for q in QTYPES), self.dense(x))
+
+
+def _runs_here(level) -> bool:
+    from tallow.compiler.cpu_levels import required_features
+    from tallow.runtime.cpu_features import host_features, host_platform
+
+    if level.platform != host_platform():
+        return False
+    return set(required_features(level.tvm_target, level.platform)) <= host_features()
+
+
+@pytest.mark.parametrize("level", ["native", "x86-64-v2", "x86-64-v3", "x86-64-v4", "arm64"])
+def test_batch_decode_rows_do_not_depend_on_the_batch_at_every_cpu_level(level):
+    """`batch_decode`'s matmuls as a library for `level` gets them (the CPU backend's passes and
+    schedules: AVX2 int8 row or column tiles, AVX-512 VNNI tiles, the float schedule of
+    `cpu.quant` without AVX2, `cpu.tiled` for float weights): row r of a batch of 1 to 17
+    equals row r alone, bit for bit. A level this CPU cannot run (AVX-512, arm64) is scheduled
+    for its level and compiled for this CPU, which checks its TIR (tiles, summation order),
+    not that level's code generation."""
+    import tvm
+    from tvm.target import Target
+
+    from tallow.compiler.cpu_levels import resolve_level
+    from tallow.compiler.relax_pipeline import fusion_passes
+    from tallow.compiler.target import resolve_target
+
+    spec = resolve_target("cpu", "f32", cpu=level)
+    target = spec.tvm()
+    mod, _ = _Projections().export_tvm({"batch_decode": {"x": nn.spec.Tensor(["b", 1, K], "f32")}})
+    with target, spec.backend.pass_context(spec):
+        passes = spec.backend.passes_before_fusion(spec, target) + fusion_passes()
+        mod = tvm.transform.Sequential(passes)(mod)
+        mod = spec.backend.schedule_pass(spec, target)(mod)
+    kernels = {
+        gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+    }
+    assert len(kernels) == len(QTYPES) + 1, sorted(kernels)
+    run_on = (
+        target if _runs_here(resolve_level(level)) else Target(resolve_level("native").tvm_target)
+    )
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((max(BATCHES), 1, K)).astype(np.float32)
+    differ = []
+    for name, func in kernels.items():
+        assert "tirx.is_scheduled" in func.attrs, name
+        with run_on:
+            lib = tvm.compile(
+                tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), run_on
+            )
+        qtype = next((q for q in QTYPES if name.startswith(f"quant_matmul_{q}")), None)
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        w = quantize(w, qtype) if qtype else w
+
+        alone = np.concatenate([_bits(lib, x[r : r + 1], w) for r in range(max(BATCHES))])
+        differ += [
+            f"{name} at {b}" for b in BATCHES if not np.array_equal(_bits(lib, x[:b], w), alone[:b])
+        ]
+    assert not differ, differ
+
+
+def _bits(lib, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The kernel's output for the rows `x`, as bits."""
+    import tvm
+
+    out = tvm.runtime.empty((x.shape[0], 1, N), "float32")
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
+    return out.numpy().view(np.uint32)
 
 
 # -- SmolLM2 through the engine -----------------------------------------------------------------

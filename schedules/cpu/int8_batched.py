@@ -7,9 +7,16 @@ dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier
 convert, an FMA with the weight scale; see `int8_ops`). SmolLM2's gate/up projection
 (q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
 schedule: 0.83 ms), to 0.41 ms with the multipliers, and 5-10% lower again with its scratch
-buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. From 8
-sequences on, the 4-bit and most K-quant formats now take `int8_columns`' tiles instead,
-which spend about half the instructions per weight.
+buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. The 4-bit and
+K-quant formats now take `int8_columns`' tiles instead, at every batch size, which spend
+about half the instructions per weight; these row tiles serve q8_0, q5_0 and q5_1.
+
+Batch invariance (`--deterministic`, docs/cpu-kernels.md#deterministic-mode): a format takes
+one tile family at every batch size, and both families compute a row the same way wherever it
+sits in the batch (the row tiles: 8 lane partial sums per row, groups in order; a 4-row tail
+tile does what an 8-row tile does; the column tiles: one sum per row and column, groups in
+order), so a row's result does not depend on the batch. Until 2026-12 the column tiles took
+over only from 8 (q5k, q6k: 12) sequences, and a row's bits changed at that size.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
   load and unpack);
@@ -64,11 +71,12 @@ def batched_kernel(
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
     `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
     batch takes the column tiles of `int8_vnni` (from one sequence on they beat these row
-    tiles). Otherwise, from their `column_tile_min_rows` sequences on, the formats that
-    have one take that module's column tiles; smaller batches and the other formats take whole
-    tiles of `TILE_ROWS` sequences first, then the rest in tiles of `TAIL_ROWS` (a batch of
-    4 pays for 4 rows, not 8). `column_tiles=False` keeps the row tiles (tests, benchmarks).
-    Reached through `int8_gemv.gemv_kernel`, which checks the shape.
+    tiles). Otherwise the formats with `Int8Codes.column_tiles` take `int8_columns`' tiles
+    at every batch size, and the others whole tiles of `TILE_ROWS` sequences first, then the
+    rest in tiles of `TAIL_ROWS` (a batch of 4 pays for 4 rows, not 8): never a switch on
+    the batch size, so a row's result does not depend on it. `column_tiles=False` keeps the
+    row tiles (tests, benchmarks). Reached through `int8_gemv.gemv_kernel`, which checks
+    the shape.
     """
     groups = k // LANES
     rb = get_format(qtype).row_bytes(k)
@@ -81,9 +89,7 @@ def batched_kernel(
     tile = _tile_macro(qtype, groups, TILE_ROWS)
     tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
     vnni = vnni and column_tiles
-    min_columns = codes_of(qtype).column_tile_min_rows
-    use_columns = column_tiles and not vnni and min_columns is not None
-    min_columns = min_columns or 0
+    use_columns = column_tiles and not vnni and codes_of(qtype).column_tiles
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
     vnni_tile = vnni_columns.tile_macro(qtype, groups) if vnni else None
     # each group's multiplier times the row's step, as floats: only the VNNI tiles read them
@@ -187,10 +193,7 @@ def batched_kernel(
             xq_groups = T.decl_buffer((padded, groups, LANES), "int8", data=xq.data)
             vnni_tiles(w, xq_groups, steps, xs, out)
         elif use_columns:
-            if min_columns <= B:
-                column_tiles(w, xq, xm, xr, xs, out)
-            else:
-                row_tiles(w, xq, xm, xr, xs, out)
+            column_tiles(w, xq, xm, xr, xs, out)
         else:
             row_tiles(w, xq, xm, xr, xs, out)
 
