@@ -175,9 +175,9 @@ def test_block_scales_row_kernel_on_avx2(qtype):
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
-    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); for the formats with column tiles
-    (`cpu.int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
-    one of 16 then one of 3."""
+    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); the formats with column tiles
+    (`cpu.int8_columns`) take those at every size: one partial tile up to 13 sequences, and
+    one of 16 then one of 3 at 19."""
     k, n = _batched_shape(qtype)
     blocks, deq = _weights(qtype, n, k, seed=1)
     kernel = _batched_kernel(qtype)
@@ -236,8 +236,9 @@ def test_vnni_tiles_match_numpy(qtype):
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q6k"])
 def test_row_tiles_without_column_tiles(qtype):
-    """The row tiles at batches the column tiles take over for these formats (their 8-row
-    tiles run only for the formats without column tiles otherwise)."""
+    """The row tiles of formats that take the column tiles at every batch size (kept for
+    benchmarks: `column_tiles=False`); their 8-row tiles otherwise run only for the formats
+    without column tiles."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=5)
