@@ -15,8 +15,9 @@ Batch invariance (`--deterministic`, docs/cpu-kernels.md#deterministic-mode): a 
 one tile family at every batch size, and both families compute a row the same way wherever it
 sits in the batch (the row tiles: 8 lane partial sums per row, groups in order; the 4-, 2-
 and 1-row tail tiles do what an 8-row tile does; the column tiles: one sum per row and
-column, groups in order), so a row's result does not depend on the batch. Until 2026-12 the column tiles took
-over only from 8 (q5k, q6k: 12) sequences, and a row's bits changed at that size.
+column, groups in order), so a row's result does not depend on the batch. Until 2026-12 the
+column tiles took over only from 8 (q5k, q6k: 12) sequences, and a row's bits changed at
+that size.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
   load and unpack);

@@ -26,12 +26,13 @@ version was slower than the row tiles, 0.80 against 0.67 ms. Each group now pref
 same group of the next 8 rows. `benchmarks/decode_matmul.py --cold`, SmolLM2's q4_1 gate/up
 projection (3072 x 576), weights from memory, 2 threads: 16 sequences 0.658 -> 0.421 ms,
 8 sequences 0.355 -> 0.249 ms against the row tiles. The transpose costs a fixed amount per
-tile, and small batches had kept the row tiles; measured again with the prefetch (AMD EPYC
-Zen 3, AVX2, weights from memory, best of 7 interleaved rounds), the column tiles win at
-every size for the 4-bit formats: SmolLM2's gate/up at 1, 4, 6 and 8 sequences, 2 threads,
-64, 78, 106 and 140 us against the row tiles' 96, 105, 223 and 169 us (from 5 sequences the
-row tiles run two 4-row tail tiles below 8). So the formats that have them (`column_tiles`,
-in each family package under `compiler/quant/`) take them at every batch size, and a row's
+tile, and small batches had kept the row tiles; measured again with the prefetch
+(`decode_matmul.py --tiles`: AMD EPYC Zen 3, one thread, CPU time, weights from memory),
+the column tiles win or tie below 8 sequences too: SmolLM2's q4_1 gate/up at 1, 2, 4 and 6
+sequences 91, 98, 138 and 183 us against the row tiles' 101, 130, 181 and 306 us; the
+K-quants from 0.49x (q4k) to 1.21x (q5k at 1 sequence) of the row tiles' time (each family
+package under `compiler/quant/` has its figures). So the formats that have them
+(`column_tiles`) take them at every batch size, and a row's
 result never depends on the batch: each row and column sums its groups in order into one
 float, whatever the tile's row count or the row's place in it (`--deterministic`).
 The activations are quantized as `int8_ops` documents; the results are those of the other

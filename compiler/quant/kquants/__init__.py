@@ -7,10 +7,11 @@ search in `scale_search`), TIR byte decoders in `tir_decode`, int8-kernel groups
 Fallbacks (a row length not a multiple of 256) are llama.cpp's: q2k/q3k -> q4_0,
 q4k -> q5_0, q5k -> q5_1, q6k -> q8_0.
 
-Column tiles (`column_tiles`, AVX2 `batch_decode` at every batch size; one thread,
-2048 x 1024, weights from memory, time against the row tiles'): q2k 0.49-0.87x from 1 to 8
-sequences, q4k 0.51-0.95x, q3k 0.62-1.03x, q6k 0.59-1.03x, q5k 0.69-1.16x (slower at 2-4 and
-8 sequences, faster at 1 and 6); at 12-16 all gain 1.3-1.8x.
+Column tiles (`column_tiles`: AVX2 `batch_decode` takes them at every batch size;
+`benchmarks/decode_matmul.py --tiles`, one thread, CPU time, 2048 x 1024, weights from
+memory, time against the row tiles'): from 1 to 8 sequences q2k 0.53-0.88x, q4k 0.49-0.93x,
+q6k 0.62-1.06x and q3k 0.65-1.10x (the most at 1, 4 and 8), q5k 0.74-1.21x (1.12-1.21x at 1
+to 4 and 8, 0.74x at 5 to 7); at 12 and 16 all 0.62-0.81x.
 """
 
 from __future__ import annotations
