@@ -23,6 +23,11 @@ neighbour slows them alike), and prints microseconds and the weight bytes read p
 `--clock cpu` times the process's CPU time instead of the wall clock: with
 `TVM_NUM_THREADS=1` on a loaded shared machine it is the steadier measure of a kernel's
 cost (the wall clock also counts the time other processes hold the core).
+
+`--tiles q4_1:3072:576 q6k:2048:1024 ...` (format:N:K) times the AVX2 column tiles against
+the row tiles of `batch_decode`'s kernel at each `--batch`, weights from memory, best of
+`--rounds` interleaved rounds, and prints the ratio: what decided that a format with column
+tiles takes them at every batch size (`Int8Codes.column_tiles`).
 """
 
 from __future__ import annotations
@@ -139,6 +144,36 @@ def by_shape(models: list[str], qtypes: list[str], batches: list[int], rounds: i
         print(f"{label:<40} batch {b:>2} {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f} GB/s")
 
 
+def by_tiles(cases: list[str], batches: list[int], rounds: int, clock) -> None:
+    """The AVX2 column tiles against the row tiles, interleaved (see the module doc)."""
+    target = resolve_target("cpu", "f32").tvm()
+    rng = np.random.default_rng(0)
+    runs = []  # (label, batch, rows kernel, columns kernel, weights, x, out)
+    for case in cases:
+        qtype, n, k = case.split(":")
+        n, k = int(n), int(k)
+        blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+        weights = [tvm.runtime.tensor(blocks) for _ in range(max(2, int(64e6 // blocks.nbytes)))]
+        rows = _build(int8_gemv.gemv_kernel(qtype, n, k, None, column_tiles=False), target)
+        columns = _build(int8_gemv.gemv_kernel(qtype, n, k, None), target)
+        for b in batches:
+            x = tvm.runtime.tensor(rng.standard_normal((b, 1, k)).astype(np.float32))
+            out = tvm.runtime.empty((b, 1, n), "float32")
+            runs.append((f"{qtype} {n}x{k}", b, rows["main"], columns["main"], weights, x, out))
+    best = {}
+    for _ in range(rounds):
+        for i, (_, _, rows, columns, weights, x, out) in enumerate(runs):
+            for kind, f in (("rows", rows), ("columns", columns)):
+                t = clock()
+                for w in weights:
+                    f(x, w, out)
+                best[i, kind] = min(best.get((i, kind), float("inf")), (clock() - t) / len(weights))
+    print(f"best of {rounds} interleaved rounds, weights from memory, us per call")
+    for i, (label, b, *_) in enumerate(runs):
+        r, c = best[i, "rows"] * 1e6, best[i, "columns"] * 1e6
+        print(f"{label:<18} batch {b:>2}: row tiles {r:8.1f}  column tiles {c:8.1f}  {c / r:5.2f}x")
+
+
 def get_format_block(qtype: str) -> int:
     from tallow.compiler.quant import get_format
 
@@ -157,7 +192,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--cold", action="store_true", help="weights read from memory each call")
+    ap.add_argument("--tiles", nargs="+", help="FORMAT:N:K cases: column against row tiles")
     args = ap.parse_args()
+    if args.tiles:
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        return by_tiles(args.tiles, args.batch, args.rounds, clock)
     if args.shapes:
         batches = [b for b in args.batch if b in (1, 16)] or [1, 16]
         clock = time.process_time if args.clock == "cpu" else time.perf_counter

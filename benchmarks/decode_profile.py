@@ -15,7 +15,8 @@ step time is measured first with no hook, so the hook's own cost shows as the di
 Each of the `--batch` sequences is prefilled with its own random `--context`-token prompt
 (distinct KV pages, as in serving; `--fork-context` forks one instead, quicker), then
 `--steps` decode steps are timed after two warm-up steps. `--prefill` also profiles one
-`--context`-token prefill of a fresh sequence.
+`--context`-token prefill of a fresh sequence. `--deterministic` decodes as `--deterministic`
+serving does: a lone sequence through `batch_decode` too (what the mode costs it, per kernel).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def profile(
     prefill: bool,
     threads: int,
     fork: bool = False,
+    deterministic: bool = False,
 ):
     """(kind, table text) for the optional prefill, then each batch's decode step."""
     from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
@@ -110,6 +112,7 @@ def profile(
     top = max(batches)
     pages = (context + WARMUP_STEPS + 2 * steps + 64) * (top + 1)
     runner = TVMModelRunner(art, kv=KVCacheConfig(top, pages, 512), threads=threads)
+    runner.batch_invariant = deterministic
     # weight names without the layer: "mlp.down_proj" for "model.layers.3.mlp.down_proj.weight"
     names = [p.name for p in runner.manifest.params_for(runner.library)]
     weights = {
@@ -118,7 +121,8 @@ def profile(
     }
     rng = np.random.default_rng(0)
     note = bench_files.load_note()
-    head = f"# {art.name}, {threads} threads, context {context}; {note} at start"
+    mode = ", deterministic mode" if deterministic else ""
+    head = f"# {art.name}, {threads} threads, context {context}{mode}; {note} at start"
 
     def prompt() -> list[int]:
         return [int(t) for t in rng.integers(100, min(20000, runner.vocab_size), size=context)]
@@ -181,6 +185,7 @@ def main() -> None:
         help="one prefill forked to every sequence: faster setup, but attention then reads "
         "shared (cache-warm) KV pages",
     )
+    ap.add_argument("--deterministic", action="store_true", help="decode as --deterministic")
     ap.add_argument("--artifact-dir", type=Path, default=bench_files.DEFAULT_ARTIFACTS)
     ap.add_argument("--out-dir", type=Path, help="write profile-<name>-<b1|prefill500>.txt here")
     args = ap.parse_args()
@@ -189,7 +194,14 @@ def main() -> None:
     for spec in [*names, *shapes]:
         label, art = _target(spec, args.artifact_dir)
         tables = profile(
-            art, args.batch, args.context, args.steps, args.prefill, args.threads, args.fork_context
+            art,
+            args.batch,
+            args.context,
+            args.steps,
+            args.prefill,
+            args.threads,
+            args.fork_context,
+            args.deterministic,
         )
         for kind, text in tables:
             print(text, flush=True)

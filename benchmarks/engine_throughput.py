@@ -10,7 +10,8 @@ the host instead of the artifact's compiled sampler (for a side-by-side run). `-
 names a second artifact (say, one built before a change) that runs interleaved with the first,
 round by round, and gets its own table: the two are compared under the same load.
 `--deterministic` runs every configuration twice, interleaved, in the normal and in the
-deterministic (batch-invariant) mode, one table each.
+deterministic (batch-invariant) mode, one table each, then a last table of each artifact's
+deterministic over normal tok/s at each concurrency level (the cost of the mode).
 
 `--shape NAME` (repeatable; `all`: bench_files.SHAPE_NAMES, the Q4_K_M stand-ins of real
 shapes and the real Gemma 3 270M and SmolLM2 files) and `--gguf FILE` add GGUF files, each
@@ -154,6 +155,8 @@ def main() -> None:
             _print_table(artifact, table, args, "deterministic" if mode else "normal")
     if len(artifacts) > 1:
         _print_ratios(artifacts, runs, args)
+    if args.deterministic:
+        _print_mode_cost(artifacts, runs, args)
 
 
 def _compiled_files(args) -> list[str]:
@@ -176,6 +179,23 @@ def _print_ratios(artifacts: list[str], runs: dict, args) -> None:
             statistics.median(r["tok_s"] for r in runs[(artifact, False, c)]) for c in (low, high)
         )
         print(f"{Path(artifact).name:<40} {a:>8.1f} {b:>8.1f} {b / a:>6.2f}")
+
+
+def _print_mode_cost(artifacts: list[str], runs: dict, args) -> None:
+    print("\ndeterministic against normal mode: median tok/s (lowest-highest), ratio of medians")
+    print(f"{'artifact':<40} {'concurrent':>10} {'normal':>20} {'deterministic':>20} {'ratio':>6}")
+    for artifact in artifacts:
+        for c in args.concurrency:
+            cells = []
+            for mode in (False, True):
+                tok = [r["tok_s"] for r in runs[(artifact, mode, c)]]
+                cells.append((statistics.median(tok), min(tok), max(tok)))
+            (normal, *_), (det, *_) = cells
+            text = [f"{m:.1f} ({lo:.1f}-{hi:.1f})" for m, lo, hi in cells]
+            print(
+                f"{Path(artifact).name:<40} {c:>10} {text[0]:>20} {text[1]:>20} "
+                f"{det / normal:>6.2f}"
+            )
 
 
 def _print_table(artifact: str, runs: dict[int, list[dict]], args, mode: str) -> None:

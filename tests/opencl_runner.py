@@ -1,8 +1,8 @@
 """Run GPU-scheduled TIR kernels on the CPU: OpenCL C from TVM, launched with pyopencl on PoCL.
 
-The kernels are scheduled exactly as a CUDA artifact's are (the CUDA backend's own schedule
-pass, under the CUDA target it compiles for), then lowered for an OpenCL target instead of
-CUDA. TVM's wheel has the OpenCL code generator (`target.build.opencl`) but not the OpenCL
+The kernels are scheduled exactly as a CUDA (or Metal) artifact's are (the backend's own
+schedule pass, under the target it compiles for), then lowered for an OpenCL target instead
+of CUDA. TVM's wheel has the OpenCL code generator (`target.build.opencl`) but not the OpenCL
 runtime, so this module launches each kernel itself:
 
 * the device kernels come from TVM's own lowering (`tvm.tirx.build`'s steps up to the code
@@ -63,15 +63,15 @@ def unavailable() -> str | None:
     return None
 
 
-def cuda_scheduled(mod, dtype: str = "f32", sm: int = 90):
-    """`mod` (Relax) fused and scheduled as the CUDA backend does for `--sm sm`; with the
-    backend's report (rule per kernel)."""
+def gpu_scheduled(mod, dtype: str = "f32", sm: int = 90, target: str = "cuda"):
+    """`mod` (Relax) fused and scheduled as the `target` backend (cuda: for `--sm sm`; metal)
+    does; with the backend's report (rule per kernel)."""
     import tvm
 
     from tallow.compiler.relax_pipeline import fusion_passes
     from tallow.compiler.target import resolve_target
 
-    spec = resolve_target("cuda", dtype, [sm])
+    spec = resolve_target(target, dtype, [sm] if target == "cuda" else None)
     target = spec.tvm()
     with target, spec.backend.pass_context(spec):
         mod = tvm.transform.Sequential(fusion_passes())(mod)
@@ -125,6 +125,7 @@ class OpenCLKernels:
         )
         source = _HALF_TO_FLOAT.sub(_VLOAD_HALF, source)
         for name in set(_HALF_PARAM.findall(source)):
+            source = _half_vector_loads(source, name)
             source = _half_loads(source, name)
         if re.search(r"\bhalf\d*\b(?! \*\)\(&)", _HALF_PARAM.sub("", source)):
             raise RuntimeError(
@@ -173,6 +174,26 @@ class OpenCLKernels:
         if name not in self._launchers:
             self._launchers[name] = cl.Kernel(self.program, name)
         self._launchers[name](self.queue, glob, local, *args)
+
+
+def _half_vector_loads(source: str, name: str) -> str:
+    """dlight's batched GEMV reads f16 activations as vectors into a variable of their own
+    (`halfN v; if (row < b) v = vloadN(0, name + i); else v = (halfN)(0, ...);`) and uses it
+    only converted, `convert_floatN(v)`: such a variable becomes a `floatN` filled by
+    `vload_halfN` (core OpenCL; the same floats). A variable used in any other way is left
+    as it is, and the check in `_portable` refuses it."""
+    loads = re.compile(rf"(\w+) = vload(\d+)\(0, {name} \+ ")
+    for var, lanes in set(loads.findall(source)):
+        zero = rf"\(\(half{lanes}\)\(\(half\)0\.000000e\+00f(?:, \(half\)0\.000000e\+00f)*\)\)"
+        uses = len(re.findall(rf"\b{var}\b(?! = )", source))
+        converted = len(re.findall(rf"convert_float{lanes}\({var}\)", source))
+        if uses != converted + source.count(f"half{lanes} {var};"):  # + its declarations
+            continue
+        source = source.replace(f"half{lanes} {var};", f"float{lanes} {var};")
+        load = f"{var} = vload{lanes}(0, {name} + "
+        source = source.replace(load, load.replace("vload", "vload_half"))
+        source = re.sub(rf"{var} = {zero};", f"{var} = (float{lanes})(0.0f);", source)
+    return source
 
 
 def _half_loads(source: str, name: str) -> str:

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tvm.relax.frontend import nn
 
+from tallow.compiler.quant import quantize
+from tallow.model_defs.quant_ops import QuantLinear
 from tallow.runtime.fake_runner import FakeModelRunner
 from tallow.runtime.request import Request
 from tallow.runtime.sampling_params import SamplingParams
@@ -106,6 +109,133 @@ def test_recompute_after_preemption_feeds_generated_tokens_one_at_a_time():
             )
 
 
+# -- the matmul kernels of every CPU level ----------------------------------------------------
+
+K, N = 512, 64
+ROWS = range(1, 18)  # one to three row tiles of every kernel, whole and partial
+# Formats for each decode path: q4_1 and q6k the AVX2 column tiles (nibbles; split halves with
+# the multiplier in float), q8_0 the row tiles; every one the float schedule without AVX2.
+QTYPES = ("q4_1", "q6k", "q8_0")
+# The row layouts: batch_decode's sequences, and prefill's tokens (one batch_prefill packs the
+# chunks of several sequences, so a token's row must not depend on the others either).
+LAYOUTS = {"batch_decode": ["b", 1, K], "prefill": [1, "s", K]}
+
+
+class _Projections(nn.Module):
+    def __init__(self):
+        for qtype in QTYPES:
+            setattr(self, qtype, QuantLinear(K, N, qtype))
+        self.dense = nn.Linear(K, N, bias=False)  # an f32 artifact's weights
+
+    def batch_decode(self, x):
+        return (*(getattr(self, q)(x) for q in QTYPES), self.dense(x))
+
+    prefill = batch_decode
+
+
+def _runs_here(level) -> bool:
+    from tallow.compiler.cpu_levels import required_features
+    from tallow.runtime.cpu_features import host_features, host_platform
+
+    if level.platform != host_platform():
+        return False
+    return set(required_features(level.tvm_target, level.platform)) <= host_features()
+
+
+def _level_kernels(level: str) -> dict:
+    """{name: PrimFunc} of `_Projections`' matmuls as the CPU backend builds them for `level`."""
+    import tvm
+
+    from tallow.compiler.relax_pipeline import fusion_passes
+    from tallow.compiler.target import resolve_target
+
+    spec = resolve_target("cpu", "f32", cpu=level)
+    target = spec.tvm()
+    specs = {f: {"x": nn.spec.Tensor(shape, "float32")} for f, shape in LAYOUTS.items()}
+    mod, _ = _Projections().export_tvm(specs)
+    with target, spec.backend.pass_context(spec):
+        passes = spec.backend.passes_before_fusion(spec, target) + fusion_passes()
+        mod = tvm.transform.Sequential(passes)(mod)
+        mod = spec.backend.schedule_pass(spec, target)(mod)
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+@pytest.mark.parametrize(
+    "level",
+    ["native", "x86-64-v2", "x86-64-v3", "x86-64-v4", "x86-64-v4-vnni", "arm64", "apple-m1"],
+)
+def test_matmul_rows_do_not_depend_on_the_batch_at_every_cpu_level(level):
+    """The quantized and float matmuls of `batch_decode` and `prefill` as a library for `level`
+    gets them (the CPU backend's passes and schedules: AVX2 int8 row or column tiles, AVX-512
+    VNNI tiles, the float schedule of `cpu.quant` without AVX2, `cpu.tiled`): row r of 1 to 17
+    rows equals row r alone, bit for bit. A level this CPU cannot run (AVX-512, arm64) is
+    scheduled for its level and compiled for this CPU, which checks its TIR (tiles, summation
+    order), not that level's code generation; the VNNI tiles' intrinsics only compile for a
+    CPU that has them (`native` there, and `tests/test_int8_decode.py`)."""
+    import tvm
+    from tvm.target import Target
+
+    from tallow.compiler.cpu_levels import resolve_level
+
+    runs_here = _runs_here(resolve_level(level))
+    if "+avx512vnni" in resolve_level(level).tvm_target.get("mattr", []) and not runs_here:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    kernels = _level_kernels(level)
+    assert len(kernels) == 2 * (len(QTYPES) + 1), sorted(kernels)
+    run_on = Target(resolve_level(level if runs_here else "native").tvm_target)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
+    differ = []
+    for name, func in kernels.items():
+        assert "tirx.is_scheduled" in func.attrs, name
+        with run_on:
+            lib = tvm.compile(
+                tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), run_on
+            )
+        qtype = next((q for q in QTYPES if name.startswith(f"quant_matmul_{q}")), None)
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        w = quantize(w, qtype) if qtype else w
+        tokens = isinstance(func.params[0].shape[0], tvm.tirx.IntImm)  # [1, s, K]: prefill
+        alone = np.concatenate([_bits(lib, x[r : r + 1], w, tokens) for r in range(max(ROWS))])
+        for m in ROWS:
+            if not np.array_equal(_bits(lib, x[:m], w, tokens), alone[:m]):
+                differ.append(f"{name} at {m} {'tokens' if tokens else 'sequences'}")
+    assert not differ, differ
+
+
+def _bits(lib, x: np.ndarray, w: np.ndarray, tokens: bool) -> np.ndarray:
+    """The kernel's output rows for the rows `x` ([m, K]: sequences, or one prefill's
+    tokens), as bits."""
+    import tvm
+
+    shape = (1, len(x)) if tokens else (len(x), 1)
+    out = tvm.runtime.empty((*shape, N), "float32")
+    lib["main"](tvm.runtime.tensor(x.reshape(*shape, K)), tvm.runtime.tensor(w), out)
+    return out.numpy().reshape(len(x), N).view(np.uint32)
+
+
+# -- the start-up warning ----------------------------------------------------------------------
+
+
+def test_start_up_warning_names_what_is_not_checked():
+    """Libraries built now say their CPU decode is batch-invariant; one from before, with the
+    AVX2 tiles that switched at 8 sequences, is told to recompile; VNNI tiles and float kernels
+    (unchanged) pass; a GPU library gets what is checked and what is not."""
+    from tallow.runtime.engine_factory import batch_invariance_gap
+
+    now = {"int8_decode_tiles": "avx2", "batch_invariant_decode": True}
+    assert batch_invariance_gap("cpu", now) is None
+    assert batch_invariance_gap("cpu", {"int8_decode_tiles": "avx512-vnni"}) is None
+    assert batch_invariance_gap("cpu", {"decode_activations": "float32"}) is None
+    old = batch_invariance_gap("cpu", {"int8_decode_tiles": "avx2"})
+    assert "from 8 sequences" in old and "compile the artifact again" in old
+    for kind, shuffles in (("cuda", "warp shuffles"), ("metal", "simdgroup shuffles")):
+        gpu = batch_invariance_gap(kind, {})
+        checked, not_checked = gpu.split("; not checked")
+        assert "LowBatchGEMV" in checked and "RMSNorm" in checked
+        assert "attention" in not_checked and shuffles in not_checked
+
+
 # -- SmolLM2 through the engine -----------------------------------------------------------------
 
 MAX_TOKENS = 32
@@ -148,6 +278,7 @@ def alone(smollm2):
     from tallow.runtime.engine_factory import EngineOptions, build_engine
 
     engine = build_engine(smollm2, EngineOptions(prefill_chunk_size=64, deterministic=True))
+    assert engine.runner.library.details["batch_invariant_decode"] is True
     prompts = _prompts(engine)
     results = [_ids_and_logprobs(engine.generate([p], GREEDY)[0]) for p in prompts]
     return prompts, results

@@ -9,6 +9,8 @@ rounded half away from zero against it), summed in float64.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
@@ -173,16 +175,48 @@ def test_block_scales_row_kernel_on_avx2(qtype):
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
-    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); for the formats with column tiles
-    (`cpu.int8_columns`), 8 or 13 and 19 take those: one tile of 8 or 13 sequences, and
-    one of 16 then one of 3."""
-    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
-    n = 48
+    and padded rows: 1, 4, 5, 8, 13 (8 + 4 + 1); the formats with column tiles
+    (`cpu.int8_columns`) take those at every size: one partial tile up to 13 sequences, and
+    one of 16 then one of 3 at 19."""
+    k, n = _batched_shape(qtype)
     blocks, deq = _weights(qtype, n, k, seed=1)
-    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None))
+    kernel = _batched_kernel(qtype)
     for batch in (1, 4, 5, 8, 13, 19):
         x = _activations(batch, k, seed=2 + batch)
         _check(kernel(x, blocks, n), x, deq)
+
+
+def _batched_shape(qtype: str) -> tuple[int, int]:
+    return (96 if QUANT_FORMATS[qtype].block_size == 32 else 512), 48
+
+
+@functools.cache
+def _batched_kernel(qtype: str, vnni: bool = False):
+    """`batch_decode`'s kernel (a symbolic batch) for `qtype` at `_batched_shape`."""
+    k, n = _batched_shape(qtype)
+    return _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=vnni))
+
+
+@pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
+    """`--deterministic` (docs/cpu-kernels.md#deterministic-mode): row r of a batch of B, for
+    B from 1 to 17, equals row r alone, bit for bit, through `batch_decode`'s kernel: the AVX2
+    tiles (row tiles: 8-row tiles, 4-row tails, padded rows; column tiles: one or two 16-row
+    tiles), and the AVX-512 VNNI tiles on CPUs that have them. Until the AVX2 column tiles
+    served every batch size, they took over from 8 sequences (12 for q5k and q6k) and summed
+    a row in another order than the row tiles below that size."""
+    k, n = _batched_shape(qtype)
+    blocks, _ = _weights(qtype, n, k, seed=41)
+    x = _activations(17, k, seed=42)
+    kernel = _batched_kernel(qtype, vnni)
+    alone = np.concatenate([kernel(x[r : r + 1], blocks, n) for r in range(17)]).view(np.uint32)
+    differ = [
+        b
+        for b in range(1, 18)
+        if not np.array_equal(kernel(x[:b], blocks, n).view(np.uint32), alone[:b])
+    ]
+    assert not differ, f"batches whose rows differ from the rows alone: {differ}"
 
 
 @needs_vnni
@@ -202,8 +236,9 @@ def test_vnni_tiles_match_numpy(qtype):
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q6k"])
 def test_row_tiles_without_column_tiles(qtype):
-    """The row tiles at batches the column tiles take over for these formats (their 8-row
-    tiles run only for the formats without column tiles otherwise)."""
+    """The row tiles of formats that take the column tiles at every batch size (kept for
+    benchmarks: `column_tiles=False`); their 8-row tiles otherwise run only for the formats
+    without column tiles."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=5)
@@ -295,7 +330,7 @@ def test_pass_replaces_decode_kernels_only():
     report = BuildReport()
     with TARGET:
         out = int8_decode_kernels(report)(mod)
-    int8 = [f for _, f in out.functions_items() if 'T.sblock("dot")' in f.script()]
+    int8 = [f for _, f in out.functions_items() if 'T.sblock("quantize")' in f.script()]
     floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
     assert len(int8) == 2 and len(floats) == 2
     assert all(int(f.attrs["op_pattern"]) == 8 for f in int8)  # opaque: fusion leaves it whole

@@ -14,7 +14,7 @@ import re
 import gguf
 import numpy as np
 import pytest
-from opencl_runner import OpenCLKernels, cuda_scheduled, unavailable
+from opencl_runner import OpenCLKernels, gpu_scheduled, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -70,7 +70,7 @@ def _check_quant_matmuls(types, shapes=SHAPES, rows=ROWS, dtype="float32"):
     mod, _ = _Projections(types).export_tvm(
         {f: {"x": nn.spec.Tensor(shape, dtype)} for f, shape in shapes.items()}
     )
-    scheduled, report = cuda_scheduled(mod, {"float32": "f32", "float16": "f16"}[dtype])
+    scheduled, report = gpu_scheduled(mod, {"float32": "f32", "float16": "f16"}[dtype])
     kernels = OpenCLKernels(_prim_funcs(scheduled))
     rng = np.random.default_rng(0)
     failures = []
@@ -110,17 +110,81 @@ def test_static_row_decode_on_opencl():
 
 
 def test_f16_decode_on_opencl():
-    """The f16 `decode` kernel (`QuantDecodeGEMV`) with f16 activations: PoCL has no
-    cl_khr_fp16, but this kernel only loads the f16 inputs and converts them to float
-    (`vload_half`, core OpenCL; `opencl_runner.py`), then decodes and accumulates in f32,
-    so its f16 numerics run as they would on a GPU. (dlight's batch_decode and prefill
+    """The f16 `decode` (`QuantDecodeGEMV`) and `batch_decode` (dlight `LowBatchGEMV`) kernels
+    with f16 activations: PoCL has no cl_khr_fp16, but these kernels only load the f16 inputs
+    and convert them to float (`vload_half`, core OpenCL; `opencl_runner.py`), then decode and
+    accumulate in f32, so their f16 numerics run as they would on a GPU. (dlight's prefill
     kernels keep f16 values in buffers of their own, which the runner refuses on PoCL.)"""
-    _check_quant_matmuls(["q4k"], {"decode": [1, 1, K]}, {"decode": [1]}, "float16")
+    _check_quant_matmuls(
+        ["q4k"],
+        {"decode": [1, 1, K], "batch_decode": ["b", 1, K]},
+        {"decode": [1], "batch_decode": [1, 3, 16]},
+        "float16",
+    )
 
 
 @pytest.mark.slow
 def test_quant_matmuls_on_opencl_every_format():
     _check_quant_matmuls(SLOW_TYPES)
+
+
+# --- batch invariance (`--deterministic`) --------------------------------------------------
+class _BatchDecode(nn.Module):
+    """`batch_decode`'s kernels that reduce a row: quantized matmuls, in f32 a float matmul
+    and RMSNorm (f16 ones compute in f16, which PoCL cannot run)."""
+
+    def __init__(self, dtype: str):
+        self.f32 = dtype == "float32"
+        for qtype in FAST_TYPES:
+            setattr(self, qtype, QuantLinear(K, N, qtype))
+        self.dense = nn.Linear(K, N, bias=False)
+        self.norm = make_norm(K, 1e-5, 0.0, "float32")
+
+    def batch_decode(self, x):
+        quant = tuple(getattr(self, q)(x) for q in FAST_TYPES)
+        return (*quant, self.dense(x), self.norm(x)) if self.f32 else quant
+
+
+@pytest.mark.parametrize(
+    ("target", "dtype"),
+    [("cuda", "float32"), ("cuda", "float16"), ("metal", "float32"), ("metal", "float16")],
+)
+def test_batch_decode_rows_do_not_depend_on_the_batch(target, dtype):
+    """`--deterministic` on a GPU library (docs/cpu-kernels.md#deterministic-mode): `batch_decode`'s
+    kernels as `target` schedules them (dlight `LowBatchGEMV` for the matmuls: 4-row tiles on
+    `blockIdx.y`, K split across the threads; `Reduction` for RMSNorm) give row r of a batch
+    of B, for B from 1 to 17, the bits of row r alone. Run as OpenCL C: CUDA's warp-shuffle
+    and Metal's simdgroup reductions lower to shared memory here (`opencl_runner.py`)."""
+    mod, _ = _BatchDecode(dtype).export_tvm(
+        {"batch_decode": {"x": nn.spec.Tensor(["b", 1, K], dtype)}}
+    )
+    scheduled, _ = gpu_scheduled(mod, {"float32": "f32", "float16": "f16"}[dtype], target=target)
+    funcs = _prim_funcs(scheduled)
+    kernels = OpenCLKernels(funcs)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((17, 1, K)).astype(dtype)
+    differ = []
+    for name in funcs:
+        (buffers,) = {tuple(k.buffers) for k in kernels.kernels[name]}
+        arrays = {}
+        for buf, buf_dtype in buffers:
+            if buf.endswith("_weight"):
+                qtype = buf.removesuffix("_weight")
+                w = rng.standard_normal((N, K) if qtype != "norm" else K).astype(np.float32)
+                arrays[buf] = quantize(w, qtype) if qtype in FAST_TYPES else w.astype(buf_dtype)
+        ((out, out_dtype),) = [(b, d) for b, d in buffers if b != "x" and b not in arrays]
+
+        def run(rows, arrays=arrays, name=name, out=out, out_dtype=out_dtype):
+            result = np.full((len(rows), 1, N if "norm" not in name else K), np.nan, out_dtype)
+            kernels.run(name, {**arrays, "x": rows, out: result}, {"b": len(rows)})
+            return result.view(np.uint32)
+
+        alone = np.concatenate([run(x[r : r + 1]) for r in range(17)])
+        differ += [
+            f"{name} at {b}" for b in range(1, 18) if not np.array_equal(run(x[:b]), alone[:b])
+        ]
+        assert not np.isnan(alone.view(np.float32)).any(), f"{name}: rows never written"
+    assert not differ, differ
 
 
 # --- RMSNorm (Llama style, and Gemma's `1 + w` in float32) --------------------------------
@@ -146,7 +210,7 @@ def test_rms_norms_on_opencl():
             "prefill": {"x": nn.spec.Tensor([1, "s", HIDDEN], "float32")},
         }
     )
-    scheduled, report = cuda_scheduled(mod)
+    scheduled, report = gpu_scheduled(mod)
     assert set(report["rules"]) == {"Reduction"}, report["rules"]
     kernels = OpenCLKernels(_prim_funcs(scheduled))
     rng = np.random.default_rng(1)

@@ -71,7 +71,7 @@ def test_format_is_consistent(name):
         assert fallback.block_size < fmt.block_size
     if fmt.int8 is not None:
         assert fmt.block_size % 32 == 0  # the int8 kernels work in groups of 32 weights
-        if fmt.int8.column_tile_min_rows is not None:
+        if fmt.int8.column_tiles:
             assert fmt.int8.max_code is not None  # column tiles size their int16 sums by it
     check_quant_option(name, "f32")
 

@@ -41,6 +41,10 @@ class BuildReport:
     decode_activations: str | None = None  # CPU: int8_decode_pass.ACTIVATIONS or "float32"
     int8_decode_kernels: int | None = None  # CPU: decode matmuls given int8-activation kernels
     int8_decode_tiles: str | None = None  # CPU: "avx512-vnni" or "avx2"
+    # CPU: `batch_decode` gives a row the same bits at every batch size (the decode kernels of
+    # every CPU level; docs/cpu-kernels.md#deterministic-mode). Absent from libraries built
+    # before the AVX2 column tiles served every batch size.
+    batch_invariant_decode: bool | None = None
     prefill_activations: str | None = None  # CPU: int8_prefill_pass's ACTIVATIONS or "float32"
     int8_prefill_kernels: int | None = None  # CPU: prefill matmuls given int8 kernels
     schedules: dict[str, Any] | None = None  # GPU: rule per kernel, families, tensor-core use

@@ -29,7 +29,9 @@ class CPUBackend(TargetBackend):
         return TargetSpec(
             self,
             target,
-            report=BuildReport(mcpu=target.get("mcpu", "generic")),
+            # every CPU level's decode kernels reduce a row in one order whatever the batch
+            # (tests/test_deterministic.py checks each level's schedules)
+            report=BuildReport(mcpu=target.get("mcpu", "generic"), batch_invariant_decode=True),
             platform=level.platform,
             cpu_level=level.name,
             cpu_features=required_features(target, level.platform),

@@ -61,9 +61,10 @@ class Int8Codes:
     signed: bool = False  # codes are int8 (q8_0): the kernels use a sign trick
     split_halves: bool = False  # the two 16-weight halves have their own scale and offset
     max_code: int | None = None  # largest unsigned code; column tiles need it (int16 sums)
-    # Batch from which the AVX2 column tiles beat the row tiles; None: never (measured
-    # per format, see `schedules.cpu.int8_columns`). Column tiles need `max_code`.
-    column_tile_min_rows: int | None = None
+    # `batch_decode` takes the AVX2 column tiles at every batch size, else the row tiles
+    # (measured per format, see `schedules.cpu.int8_columns`; one tile family per format at
+    # every size keeps a row's bits independent of the batch). They need `max_code`.
+    column_tiles: bool = False
     nibble_codes_at: int | None = None  # legacy 4-bit codes' offset: transposed as bytes
     # q5_0 / q5_1: where the 32-bit word of the codes' fifth bits sits (bit j: weight j);
     # with `nibble_codes_at`, the VNNI tiles transpose the nibbles as bytes and add these

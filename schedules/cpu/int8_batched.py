@@ -7,9 +7,17 @@ dot product needs (`pmaddubsw`, `pmaddwd` with the activations' group multiplier
 convert, an FMA with the weight scale; see `int8_ops`). SmolLM2's gate/up projection
 (q4_1, 3072 x 576) for 16 sequences went from 0.71 to 0.48 ms with the tile (the float tiled
 schedule: 0.83 ms), to 0.41 ms with the multipliers, and 5-10% lower again with its scratch
-buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. From 8
-sequences on, the 4-bit and most K-quant formats now take `int8_columns`' tiles instead,
-which spend about half the instructions per weight.
+buffers on the stack; `benchmarks/decode_matmul.py` prints the comparison. The 4-bit and
+K-quant formats now take `int8_columns`' tiles instead, at every batch size, which spend
+about half the instructions per weight; these row tiles serve q8_0, q5_0 and q5_1.
+
+Batch invariance (`--deterministic`, docs/cpu-kernels.md#deterministic-mode): a format takes
+one tile family at every batch size, and both families compute a row the same way wherever it
+sits in the batch (the row tiles: 8 lane partial sums per row, groups in order; the 4-, 2-
+and 1-row tail tiles do what an 8-row tile does; the column tiles: one sum per row and
+column, groups in order), so a row's result does not depend on the batch. Until 2026-12 the
+column tiles took over only from 8 (q5k, q6k: 12) sequences, and a row's bits changed at
+that size.
 
 * `TILE_ROWS` sequences share each decoded group of weight codes and its scale vector (one
   load and unpack);
@@ -45,7 +53,14 @@ from .int8_ops import (
 )
 
 TILE_ROWS = 8  # sequences per tile: 8 accumulators, the codes, the scales: 16 ymm registers
-TAIL_ROWS = 4  # the batch's remainder, in tiles of this many
+# The batch's remainder (0-7 sequences): 4-row tiles, the last one padded when 3 rows are
+# left (a tile decodes the weights' codes once for its rows: two tiles for 3 rows cost more),
+# then a 2-row and a 1-row tile for the rest. Before, 4-row tiles only, so a lone sequence
+# paid for 4: one thread, CPU time, weights from memory, SmolLM2's q8_0 head (49152 x 576) at
+# 1 / 2 / 5 / 6 sequences 2.93 / 2.96 / 5.81 / 5.90 ms -> 1.93 / 2.25 / 4.40 / 4.87 ms
+# (`decode`'s one-row kernel 1.91-1.96), q5_0 4096 x 640 0.32 / 0.33 / 0.65 / 0.65 -> 0.23 /
+# 0.27 / 0.56 / 0.60 ms (one row: 0.18); at 3, 4, 7 and 8 unchanged.
+TAIL_ROWS = 4
 # output columns per column tile (Python constants: a name bound inside a macro became a
 # 4-byte buffer from TVM's workspace allocator)
 COLUMN_COLS, VNNI_COLS = columns.COLS, vnni_columns.COLS
@@ -64,26 +79,32 @@ def batched_kernel(
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
     `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
     batch takes the column tiles of `int8_vnni` (from one sequence on they beat these row
-    tiles). Otherwise, from their `column_tile_min_rows` sequences on, the formats that
-    have one take that module's column tiles; smaller batches and the other formats take whole
-    tiles of `TILE_ROWS` sequences first, then the rest in tiles of `TAIL_ROWS` (a batch of
-    4 pays for 4 rows, not 8). `column_tiles=False` keeps the row tiles (tests, benchmarks).
-    Reached through `int8_gemv.gemv_kernel`, which checks the shape.
+    tiles). Otherwise the formats with `Int8Codes.column_tiles` take `int8_columns`' tiles
+    at every batch size, and the others whole tiles of `TILE_ROWS` sequences first, then the
+    rest in tiles of `TAIL_ROWS`, 2 and 1 (a batch of 1 pays for 1 row, not 4): every tile
+    computes a row alike, so a row's result does not depend on the batch.
+    `column_tiles=False` keeps the row tiles (tests, benchmarks). Reached through
+    `int8_gemv.gemv_kernel`, which checks the shape.
     """
     groups = k // LANES
     rb = get_format(qtype).row_bytes(k)
     halves = offset_halves(qtype)
     B = tirx.Var("batch_size", "int64") if batch is None else tirx.const(batch, "int64")
     full = B // TILE_ROWS
-    tail = (B - full * TILE_ROWS + TAIL_ROWS - 1) // TAIL_ROWS
-    padded = full * TILE_ROWS + tail * TAIL_ROWS
+    padded = (B + TAIL_ROWS - 1) // TAIL_ROWS * TAIL_ROWS  # whole 4-row tiles
     quantize = quantize_macro(groups, halves)
     tile = _tile_macro(qtype, groups, TILE_ROWS)
-    tail_tile = _tile_macro(qtype, groups, TAIL_ROWS)
+    # the remainder's tiles: 4 rows each (the last one padded if 3 are left), then 2, then 1
+    first4 = full * TILE_ROWS
+    count4 = (B - first4 + 1) // TAIL_ROWS
+    first2 = first4 + count4 * TAIL_ROWS
+    left = tirx.max(B - first2, tirx.const(0, "int64"))
+    count2 = left // 2
+    tail4 = _tail_macro(qtype, groups, TAIL_ROWS, count4, first4, n_out, rb, B)
+    tail2 = _tail_macro(qtype, groups, 2, count2, first2, n_out, rb, B)
+    tail1 = _tail_macro(qtype, groups, 1, left % 2, first2 + count2 * 2, n_out, rb, B)
     vnni = vnni and column_tiles
-    min_columns = codes_of(qtype).column_tile_min_rows
-    use_columns = column_tiles and not vnni and min_columns is not None
-    min_columns = min_columns or 0
+    use_columns = column_tiles and not vnni and codes_of(qtype).column_tiles
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
     vnni_tile = vnni_columns.tile_macro(qtype, groups) if vnni else None
     # each group's multiplier times the row's step, as floats: only the VNNI tiles read them
@@ -98,13 +119,9 @@ def batched_kernel(
                         T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
                         T.writes(out[:, 0, nc * N_CHUNK + ni])
                         tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B)
-            for rt in range(tail):
-                for ni in range(N_CHUNK):
-                    with T.sblock("dot_tail"):
-                        T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
-                        T.writes(out[:, 0, nc * N_CHUNK + ni])
-                        r0: T.let[T.int64] = full * TILE_ROWS + rt * TAIL_ROWS
-                        tail_tile(w, nc * N_CHUNK + ni, r0, xq, xm, xr, xs, out, B)
+            tail4(nc, w, xq, xm, xr, xs, out)
+            tail2(nc, w, xq, xm, xr, xs, out)
+            tail1(nc, w, xq, xm, xr, xs, out)
 
     @T.macro
     def column_tiles(w, xq, xm, xr, xs, out):
@@ -187,14 +204,28 @@ def batched_kernel(
             xq_groups = T.decl_buffer((padded, groups, LANES), "int8", data=xq.data)
             vnni_tiles(w, xq_groups, steps, xs, out)
         elif use_columns:
-            if min_columns <= B:
-                column_tiles(w, xq, xm, xr, xs, out)
-            else:
-                row_tiles(w, xq, xm, xr, xs, out)
+            column_tiles(w, xq, xm, xr, xs, out)
         else:
             row_tiles(w, xq, xm, xr, xs, out)
 
     return gemm
+
+
+def _tail_macro(qtype: str, groups: int, rows: int, count, first, n_out: int, rb: int, B):
+    """A macro: `count` tiles of `rows` sequences from row `first`, for the `N_CHUNK` columns
+    of chunk `nc`."""
+    tile = _tile_macro(qtype, groups, rows)
+
+    @T.macro
+    def tail(nc, w, xq, xm, xr, xs, out):
+        for rt in range(count):
+            for ni in range(N_CHUNK):
+                with T.sblock("dot_tail"):
+                    T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
+                    T.writes(out[:, 0, nc * N_CHUNK + ni])
+                    tile(w, nc * N_CHUNK + ni, first + rt * rows, xq, xm, xr, xs, out, B)
+
+    return tail
 
 
 def _tile_macro(qtype: str, groups: int, rows: int):
@@ -210,7 +241,7 @@ def _tile_macro(qtype: str, groups: int, rows: int):
         off = T.sblock_alloc_buffer((rows,), "float32")
         for i in T.unroll(rows):
             acc[T.Ramp(i * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
-        off[T.Ramp(0, 1, rows)] = T.Broadcast(T.float32(0), rows)
+        off[_lanes(0, rows)] = _splat(T.float32(0), rows)
         for g in range(groups):
             codes: T.let[code_type(qtype)] = group(w, qtype, n, g).codes
             s_lo: T.let[T.float32] = group(w, qtype, n, g).scale_lo
@@ -226,7 +257,7 @@ def _tile_macro(qtype: str, groups: int, rows: int):
                     signed,
                 )
                 acc[T.Ramp(i * 8, 1, 8)] = acc[T.Ramp(i * 8, 1, 8)] + T.Cast("float32x8", sums) * ws
-            off[T.Ramp(0, 1, rows)] = off[T.Ramp(0, 1, rows)] + _offsets(
+            off[_lanes(0, rows)] = off[_lanes(0, rows)] + _offsets(
                 xs, g, r0, o_lo, o_hi, halves, rows
             )
         for i in T.unroll(rows):
@@ -238,7 +269,16 @@ def _tile_macro(qtype: str, groups: int, rows: int):
 
 def _offsets(xs, g, r0, o_lo, o_hi, halves: int, rows: int):
     """The group's offset times the activation sums, for the tile's `rows` sequences."""
-    lo = T.Broadcast(o_lo, rows) * xs.vload([g * halves, r0], f"float32x{rows}")
+    lo = _splat(o_lo, rows) * xs[g * halves, _lanes(r0, rows)]
     if halves == 1:
         return lo
-    return lo + T.Broadcast(o_hi, rows) * xs.vload([g * halves + 1, r0], f"float32x{rows}")
+    return lo + _splat(o_hi, rows) * xs[g * halves + 1, _lanes(r0, rows)]
+
+
+def _lanes(start, rows: int):
+    """An index of `rows` consecutive elements from `start` (a scalar one for one row)."""
+    return start if rows == 1 else tirx.Ramp(start, 1, rows)
+
+
+def _splat(value, rows: int):
+    return value if rows == 1 else tirx.Broadcast(value, rows)

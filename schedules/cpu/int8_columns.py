@@ -26,10 +26,18 @@ version was slower than the row tiles, 0.80 against 0.67 ms. Each group now pref
 same group of the next 8 rows. `benchmarks/decode_matmul.py --cold`, SmolLM2's q4_1 gate/up
 projection (3072 x 576), weights from memory, 2 threads: 16 sequences 0.658 -> 0.421 ms,
 8 sequences 0.355 -> 0.249 ms against the row tiles. The transpose costs a fixed amount per
-tile, so small batches keep the row tiles (each format's `column_tile_min_rows`, in its
-family package under `compiler/quant/`). The activations are quantized as `int8_ops`
-documents; the results are those of the other kernels up to float summation
-order (tests: numpy on `gguf`'s dequantizers, and codes at the int16 / int32 bounds).
+tile, and small batches had kept the row tiles; measured again with the prefetch
+(`decode_matmul.py --tiles`: AMD EPYC Zen 3, one thread, CPU time, weights from memory),
+the column tiles win or tie below 8 sequences too: SmolLM2's q4_1 gate/up at 1, 2, 4 and 6
+sequences 91, 98, 138 and 183 us against the row tiles' 101, 130, 181 and 306 us; the
+K-quants from 0.49x (q4k) to 1.21x (q5k at 1 sequence) of the row tiles' time (each family
+package under `compiler/quant/` has its figures). So the formats that have them
+(`column_tiles`) take them at every batch size, and a row's
+result never depends on the batch: each row and column sums its groups in order into one
+float, whatever the tile's row count or the row's place in it (`--deterministic`).
+The activations are quantized as `int8_ops` documents; the results are those of the other
+kernels up to float summation order (tests: numpy on `gguf`'s dequantizers, codes at the
+int16 / int32 bounds, and every row of batches 1 to 17 against the row alone).
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ search in `scale_search`), TIR byte decoders in `tir_decode`, int8-kernel groups
 Fallbacks (a row length not a multiple of 256) are llama.cpp's: q2k/q3k -> q4_0,
 q4k -> q5_0, q5k -> q5_1, q6k -> q8_0.
 
-Column tiles (`column_tile_min_rows`, one thread, 1024 x 2048, against the row tiles): q2k,
-q3k and q4k gain from 8 sequences on (1.1-1.5x at 8, 1.35-1.8x at 16); q5k and q6k lose
-2-10% at 8 and gain 1.3-1.45x at 12.
+Column tiles (`column_tiles`: AVX2 `batch_decode` takes them at every batch size;
+`benchmarks/decode_matmul.py --tiles`, one thread, CPU time, 2048 x 1024, weights from
+memory, time against the row tiles'): from 1 to 8 sequences q2k 0.53-0.88x, q4k 0.49-0.93x,
+q6k 0.62-1.06x and q3k 0.65-1.10x (the most at 1, 4 and 8), q5k 0.74-1.21x (1.12-1.21x at 1
+to 4 and 8, 0.74x at 5 to 7); at 12 and 16 all 0.62-0.81x.
 """
 
 from __future__ import annotations
@@ -45,12 +47,10 @@ def _kquant(name, ggml_type, type_size, fallback, vector_scales=True, **int8) ->
 
 # split_halves: 16-weight sub-blocks, so the two halves of a 32-weight group differ.
 for _fmt in (
-    _kquant("q2k", GGML.Q2_K, 84, "q4_0", split_halves=True, max_code=3, column_tile_min_rows=8),
-    _kquant(
-        "q3k", GGML.Q3_K, 110, "q4_0", False, split_halves=True, max_code=7, column_tile_min_rows=8
-    ),
-    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tile_min_rows=8, nibble_pairs_at=16),
-    _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tile_min_rows=12),
+    _kquant("q2k", GGML.Q2_K, 84, "q4_0", split_halves=True, max_code=3, column_tiles=True),
+    _kquant("q3k", GGML.Q3_K, 110, "q4_0", False, split_halves=True, max_code=7, column_tiles=True),
+    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tiles=True, nibble_pairs_at=16),
+    _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tiles=True),
     _kquant(
         "q6k",
         GGML.Q6_K,
@@ -58,7 +58,7 @@ for _fmt in (
         "q8_0",
         split_halves=True,
         max_code=63,
-        column_tile_min_rows=12,
+        column_tiles=True,
         six_bit_at=(0, 128),
     ),
 ):

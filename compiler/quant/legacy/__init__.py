@@ -4,11 +4,12 @@ Registers them in `tallow.compiler.quant.registry`: numpy codec in `numpy_codec`
 decoders in `tir_decode`, int8-kernel groups in `int8_groups` (the last two imported on
 first use, see `QuantFormat`).
 
-Column tiles (`column_tile_min_rows`, measured with one thread at 8 and 16 sequences
-against the row tiles, q4_1 3072 x 576, the others 1024 x 2048): q4_0 and q4_1 gain from 8
-sequences on (1.1-1.5x at 8, 1.35-1.8x at 16). q5_0 and q5_1 (their fifth bits cost a
-shuffle per column) and q8_0 (its sign trick costs an instruction per step) do not gain,
-and keep the row tiles.
+Column tiles (`column_tiles`: AVX2 `batch_decode` takes them at every batch size;
+`benchmarks/decode_matmul.py --tiles`, one thread, CPU time, weights from memory, against
+the row tiles): q4_0 and q4_1 take 0.60-1.00x the row tiles' time from 1 to 8 sequences
+(2048 x 1024; SmolLM2's 3072 x 576 q4_1 0.55-0.89x), 0.66-0.70x at 12 and 16. q5_0 and q5_1
+(their fifth bits cost a shuffle per column) and q8_0 (its sign trick costs an instruction
+per step) did not gain, and keep the row tiles.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ for _fmt in (
         GGML.Q4_0,
         18,
         max_code=15,
-        column_tile_min_rows=8,
+        column_tiles=True,
         nibble_codes_at=2,
         leading_scale=LeadingScale(-8.0),
     ),
@@ -53,7 +54,7 @@ for _fmt in (
         GGML.Q4_1,
         20,
         max_code=15,
-        column_tile_min_rows=8,
+        column_tiles=True,
         nibble_codes_at=4,
         leading_scale=LeadingScale(None),
     ),
