@@ -126,7 +126,7 @@ def test_the_stop_token_that_ends_a_completion_keeps_its_logprob():
 @pytest.mark.parametrize(
     "kw, field",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 1, "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"max_tokens": 1, "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"max_tokens": 1, "priority": 2**31}, "priority"),
