@@ -104,7 +104,8 @@ def to_case(st_case: Any, model: str, rng: random.Random) -> Case:
                 body[name] = rng.randint(1, MAX_STEERED_TOKENS)
                 steered = True
         path = st_case.operation.path
-        if path in GENERATING and not any(name in body for name in TOKEN_FIELDS):
+        # null counts as absent: chat then generates up to 4,096 tokens
+        if path in GENERATING and not any(body.get(name) is not None for name in TOKEN_FIELDS):
             body[GENERATING[path]] = rng.randint(1, MAX_STEERED_TOKENS)
             steered = True
         st_case.body = body

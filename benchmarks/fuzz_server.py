@@ -115,7 +115,7 @@ async def stream_loop(
             try:
                 got = await stream_tokens(client, target.url, STREAM_PROMPTS[i])
             except (httpx.HTTPError, RuntimeError) as e:
-                if target.epoch == epoch and target.server.proc.poll() is None:
+                if not await _server_died(target, epoch):  # a crash is counted once, as such
                     report.stream_errors.append(f"stream {i}: {type(e).__name__}: {e}"[:300])
                 await asyncio.sleep(0.5)
                 continue
