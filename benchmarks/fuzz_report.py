@@ -4,6 +4,7 @@ its findings, each with the request that led to it (bodies cut to 2 KB, with the
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -30,8 +31,20 @@ class Outcome:
     error: str | None = None  # no answer: a transport error or a timeout
     left: bool = False  # the client left on purpose before the answer
     lost_in_crash: bool = False
-    stream_error: str | None = None  # an error event, or a stream cut short, inside a 200
+    stream_error: str | None = None  # an engine failure or a stream cut short, inside a 200
     check: str | None = None  # a Schemathesis check that failed
+
+
+GRAMMAR_ERROR = re.compile(r'"finish_reason":\s*"grammar_error"')
+
+
+def answer_problem(text: str, path: str, event_stream: bool) -> str | None:
+    """What is wrong inside a 200: an engine failure (an error event, a choice finished with
+    "grammar_error": the engine could not continue a grammar it had accepted) or a stream
+    without its proper end."""
+    if GRAMMAR_ERROR.search(text):
+        return 'finish_reason "grammar_error"'
+    return sse_problem(text, path) if event_stream else None
 
 
 def sse_problem(text: str, path: str) -> str | None:
@@ -134,7 +147,7 @@ class Report:
             "crashes": len(self.crashes),
             "requests without an answer": len(self.no_answer()),
             "unexpected statuses": len(self.unexpected()),
-            "errors inside 200 streams": sum(o.stream_error is not None for o in self.outcomes),
+            "failures inside 200 answers": sum(o.stream_error is not None for o in self.outcomes),
             "Schemathesis check failures": sum(o.check is not None for o in self.outcomes),
             "well-formed streams unlike their solo run": len(self.stream_diffs),
             "well-formed streams that failed": len(self.stream_errors),

