@@ -14,74 +14,17 @@ the campaign is about inputs, and 10,000 requests must fit an hour on 2 cores.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+from fuzz_case import BAD, CHAT, COMPLETIONS, DETOKENIZE, EMBEDDINGS, OK, RESPONSES, TOKENIZE, Case
+from fuzz_limits import LimitCases, _nested
 
 from tallow.server import protocol as P
 
-CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
-EMBEDDINGS, TOKENIZE, DETOKENIZE = "/v1/embeddings", "/tokenize", "/detokenize"
-OK, BAD = frozenset({200}), frozenset({400})
 
-
-@dataclass
-class Case:
-    kind: str  # the generator that made it (a table row of the report)
-    method: str
-    path: str
-    body: Any = None  # a JSON value (json.dumps: lone surrogates go out as \\u escapes)
-    raw: bytes | None = None  # sent as is instead of `body`
-    headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": "application/json"})
-    leave_after: float | None = None  # the client disconnects after this many seconds
-    expect: frozenset[int] | None = None  # None: any status but a 5xx
-    known_bug: int | None = None
-    schemathesis: Any = None  # a Schemathesis case, whose `checks` judge the response
-    checks: list[Any] = field(default_factory=list)
-    may_reset: bool = False  # a body past the limit: the server may close before reading it
-    costly: bool = False  # seconds of server time (a full context window, megabytes of text)
-
-    def payload(self) -> bytes:
-        if self.raw is not None:
-            return self.raw
-        return b"" if self.body is None else json.dumps(self.body).encode()
-
-    def streams(self) -> bool:
-        return isinstance(self.body, dict) and self.body.get("stream") is True
-
-
-def _chain_lark(n: int) -> str:
-    """A Lark grammar of `n` chained rules (r0: "a" r1, ...): llguidance recurses per rule."""
-    rules = [f'r{i}: "a" r{i + 1}' for i in range(n)] + [f'r{n}: "b"']
-    return "start: r0\n" + "\n".join(rules)
-
-
-def _chain_refs(n: int) -> dict[str, Any]:
-    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
-def _nested(depth: int, leaf: Any = 1) -> Any:
-    value = leaf
-    for _ in range(depth):
-        value = {"a": value}
-    return value
-
-
-DEEP = "__deep__"
-
-
-def _with_deep(body: dict[str, Any], depth: int) -> bytes:
-    """`body` as JSON text with `DEEP` replaced by objects nested `depth` deep (as text:
-    Python's own json module cannot write what is deeper than its recursion limit)."""
-    deep = '{"a": ' * depth + "1" + "}" * depth
-    return json.dumps(body).replace(json.dumps(DEEP), deep).encode()
-
-
-class TallowCases:
+class TallowCases(LimitCases):
     """Random cases from a registry of generators, each picked with equal chance."""
 
     def __init__(
@@ -231,20 +174,6 @@ class TallowCases:
             body["parallel_tool_calls"] = False
         return self._case("tools", CHAT, body)
 
-    def gen_deep_tool_parameters(self) -> Case:
-        """JSON nested ~500 deep in a tool's parameters: Python's recursion limit (bug 3)."""
-        params = {"type": "object", "properties": {"x": DEEP}}
-        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-        raw = _with_deep(self._gen(CHAT, tools=tools), self._pick(100, 500, 2000))
-        return self._case("deep:tool_parameters", CHAT, None, raw=raw, expect=BAD | OK, known_bug=3)
-
-    def gen_deep_template_kwargs(self) -> Case:
-        body = self._gen(CHAT, chat_template_kwargs={"x": DEEP})
-        raw = _with_deep(body, self._pick(100, 475, 2000))
-        return self._case(
-            "deep:chat_template_kwargs", CHAT, None, raw=raw, expect=BAD | OK, known_bug=3
-        )
-
     def gen_grammar(self) -> Case:
         r = self.rng
         path = self._pick(CHAT, COMPLETIONS)
@@ -278,27 +207,6 @@ class TallowCases:
         if r.random() < 0.1:
             body["guided_regex"] = "a+"  # two constraints: a 400
         return self._case(f"grammar:{kind}", path, body)
-
-    def gen_big_grammar(self) -> Case:
-        """Grammars and schemas near and past what llguidance survives (bugs 1, 2)."""
-        n = self._pick(50, 500, 3000)
-        bug = 1 if n >= 3000 else 2 if n >= 500 else None
-        if self.rng.random() < 0.5:
-            body = self._gen(COMPLETIONS, guided_grammar=_chain_lark(n))
-            return self._case("big:lark_rules", COMPLETIONS, body, expect=BAD | OK, known_bug=bug)
-        body = self._gen(COMPLETIONS, guided_json=_chain_refs(n))
-        return self._case("big:schema_refs", COMPLETIONS, body, expect=BAD | OK, known_bug=bug)
-
-    def gen_many_choices(self) -> Case:
-        n = self._pick(500, 2000, 5000)
-        body = self._gen(COMPLETIONS, guided_choice=[f"option {i}" for i in range(n)])
-        return self._case(
-            "big:guided_choice",
-            COMPLETIONS,
-            body,
-            expect=BAD | OK,
-            known_bug=6 if n >= 2000 else None,
-        )
 
     def gen_messages(self) -> Case:
         r = self.rng
@@ -352,59 +260,6 @@ class TallowCases:
         else:
             body = {"tokens": prompt}
         return self._case(f"token_ids:{path}", path, body)
-
-    def gen_long_prompt(self) -> Case:
-        """Prompts around the context window (in tokens) and the body limit (in bytes)."""
-        r = self.rng
-        if r.random() < 0.8:
-            ids = [
-                r.randrange(self.vocab) for _ in range(self.window + self._pick(-8, -1, 0, 1, 100))
-            ]
-            body = self._gen(COMPLETIONS, prompt=ids, max_tokens=1)
-            kind = "size:window_tokens"
-            return self._case(
-                kind, COMPLETIONS, body, expect=OK | BAD, costly=len(ids) <= self.window
-            )
-        size = self.max_body + self._pick(-4096, -200, 1, 1000)
-        base = {"model": self.model, "prompt": "", "max_tokens": 1}
-        filler = size - len(json.dumps(base).encode())
-        body = base | {"prompt": ("word " * (filler // 5 + 1))[:filler]}
-        over = size > self.max_body
-        expect = frozenset({413}) if over else OK | BAD
-        # Tokenizing megabytes on the event loop stalls /health (bug 2).
-        kind = "size:body_limit"
-        return self._case(
-            kind, COMPLETIONS, body, expect=expect, may_reset=over, known_bug=None if over else 2
-        )
-
-    def gen_raw_bodies(self) -> Case:
-        path = self._pick(CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS, TOKENIZE, DETOKENIZE)
-        raw, headers, expect = self._pick(
-            (b"{", None, BAD),
-            (b'{"model": NaN}', None, BAD),
-            (b'{"prompt": 1e999}', None, BAD),
-            (b"[1, 2]", None, BAD),
-            (b"\xff\xfe{}", None, BAD),
-            (b"", None, BAD),
-            (b'{"model": "x"}', {"Content-Type": "text/plain"}, frozenset({415})),
-            (b'{"model": "x"}', {}, frozenset({415})),
-            (
-                json.dumps(
-                    {
-                        "model": "not-this-model",
-                        "prompt": "a",
-                        "messages": [],
-                        "input": "a",
-                        "tokens": [1],
-                    }
-                ).encode(),
-                None,
-                frozenset({404, 400}),
-            ),
-            (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, None, BAD),
-        )
-        headers = {"Content-Type": "application/json"} if headers is None else headers
-        return Case("raw_body", "POST", path, raw=raw, headers=headers, expect=expect)
 
     def gen_disconnect(self) -> Case:
         """A client that leaves mid-request (streaming or not): the server must drop it."""

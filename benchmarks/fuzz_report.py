@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz_cases import Case
+from fuzz_case import Case
 
 STALL_S = 1.0
 # 429 queue_full is a right answer to any request while the queue is full (it is counted in

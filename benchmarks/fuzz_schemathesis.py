@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 import schemathesis
-from fuzz_cases import Case
+from fuzz_case import Case
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
