@@ -33,11 +33,22 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-async def one_stream(client: openai.AsyncOpenAI, model: str, prompt: str, n: int) -> StreamResult:
+async def one_stream(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    n: int,
+    *,
+    extra_body: dict | None = None,
+    leave_after_chunks: int | None = None,
+) -> StreamResult:
+    """One streaming completion, timed. `extra_body` adds fields (default: greedy with
+    ignore_eos); with `leave_after_chunks` the client closes the stream after that many
+    content chunks, as a user who stops reading (benchmarks/soak.py)."""
     t0 = time.perf_counter()
     last = first = None
     gaps: list[float] = []
-    tokens = 0
+    tokens = chunks = 0
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
@@ -45,7 +56,7 @@ async def one_stream(client: openai.AsyncOpenAI, model: str, prompt: str, n: int
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True} if extra_body is None else extra_body,
     )
     async for chunk in stream:
         if chunk.usage is not None:
@@ -58,6 +69,10 @@ async def one_stream(client: openai.AsyncOpenAI, model: str, prompt: str, n: int
         else:
             gaps.append(now - last)
         last = now
+        chunks += 1
+        if leave_after_chunks is not None and chunks >= leave_after_chunks:
+            await stream.close()
+            break
     return StreamResult(ttft=(first or time.perf_counter()) - t0, gaps=gaps, tokens=tokens)
 
 

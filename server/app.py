@@ -1,6 +1,6 @@
 """The FastAPI app, assembled: the gate (API key, draining), the lifespan that runs the engine,
-OpenAI-shaped error handlers, and the routers of `tallow.server.routes` (the chat page's
-only while `ServerOptions.ui` is on).
+OpenAI-shaped error handlers, the routers of `tallow.server.routes` (the chat page's
+only while `ServerOptions.ui` is on), and the OpenAPI document (`openapi.py`).
 
 Only `tallow.runtime` is imported: the server runs where the compiler (and relax) is absent.
 """
@@ -18,6 +18,7 @@ from .context import ServerContext, ServerOptions, ServerState
 from .errors import install_handlers
 from .gate import APIGate
 from .metrics import ServerMetrics
+from .openapi import install_openapi
 from .routes import ROUTERS, ui
 
 __all__ = ["ServerOptions", "create_app"]
@@ -67,4 +68,5 @@ def create_app(engine: Any, model_name: str, options: ServerOptions | None = Non
         app.include_router(router)
     if options.ui:
         app.include_router(ui.router)
+    install_openapi(app)
     return app

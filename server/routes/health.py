@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..context import Context
 from ..protocol import HealthResponse
@@ -19,7 +19,7 @@ async def health(context: Context) -> JSONResponse:
     return JSONResponse(HealthResponse(status="ok").model_dump())
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(context: Context) -> Response:
     context.metrics.queued.set(context.state.queued)
     body = context.metrics.render()
