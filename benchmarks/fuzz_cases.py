@@ -7,8 +7,8 @@ regex, message shapes and roles, token-id prompts, sizes near the context window
 body limit, n, logprobs, echo, stop, streaming or not, and clients that leave early.
 
 Each `Case` may say which statuses it must get (`expect`; otherwise anything but a 5xx), and
-which known bug (/work/briefs/known-bugs.md, issue 33 items 1-7) it reaches (`known_bug`), so
-a run can leave out those not fixed yet. Generation-heavy requests keep `max_tokens` small:
+which item of issue 33 it probes (`item`: requests that once crashed or stalled the server,
+kept as regression checks). Generation-heavy requests keep `max_tokens` small:
 the campaign is about inputs, and 10,000 requests must fit an hour on 2 cores.
 """
 
@@ -28,29 +28,27 @@ class TallowCases(LimitCases):
     """Random cases from a registry of generators, each picked with equal chance."""
 
     def __init__(
-        self, seed: int, model: str, vocab: int, window: int, max_body: int, bug_cap: int = 10
+        self, seed: int, model: str, vocab: int, window: int, max_body: int, item_cap: int = 10
     ) -> None:
         self.rng = random.Random(seed)
-        # Cases of one known bug, and costly cases, at most this many times a run each: a
-        # crash costs a restart (20 s with SmolLM2), a 2,048-input embedding a minute of 429s,
-        # a full 8,192-token window half a minute of prefill on 2 cores.
-        self.bug_cap = bug_cap
-        self.bug_counts: dict[int | str, int] = {}
+        # Cases of one issue-33 item, and costly cases, at most this many times a run each:
+        # a 2,048-input embedding is a minute of work, a full 8,192-token window half a minute
+        # of prefill on 2 cores (and before the fixes, a crash cost a 20 s restart).
+        self.item_cap = item_cap
+        self.item_counts: dict[int | str, int] = {}
         self.model, self.vocab, self.window, self.max_body = model, vocab, window, max_body
         self.generators: dict[str, Callable[[], Case]] = {
             name[4:]: getattr(self, name) for name in sorted(dir(self)) if name.startswith("gen_")
         }
 
-    def next(self, exclude_bugs: frozenset[int] = frozenset()) -> Case:
+    def next(self) -> Case:
         while True:
             case = self.rng.choice(list(self.generators.values()))()
-            key = (
-                case.known_bug if case.known_bug is not None else "costly" if case.costly else None
-            )
+            key = case.item if case.item is not None else "costly" if case.costly else None
             if key is None:
                 return case
-            if key not in exclude_bugs and self.bug_counts.get(key, 0) < self.bug_cap:
-                self.bug_counts[key] = self.bug_counts.get(key, 0) + 1
+            if self.item_counts.get(key, 0) < self.item_cap:
+                self.item_counts[key] = self.item_counts.get(key, 0) + 1
                 return case
 
     # -- helpers ----------------------------------------------------------------------------
@@ -138,10 +136,10 @@ class TallowCases(LimitCases):
         if lp is not None:
             body["logprobs"] = lp
         expect = None
-        bug = None
+        item = None
         if echo and body["max_tokens"] == 0 and lp is None:
-            expect, bug = OK, 7  # echo, nothing generated, no logprobs: the prompt back
-        return self._case("logprobs:echo", COMPLETIONS, body, expect=expect, known_bug=bug)
+            expect, item = OK, 7  # echo, nothing generated, no logprobs: the prompt back
+        return self._case("logprobs:echo", COMPLETIONS, body, expect=expect, item=item)
 
     def gen_tools(self) -> Case:
         r = self.rng
@@ -275,7 +273,7 @@ class TallowCases(LimitCases):
             [self._text() for _ in range(r.randint(1, 16))],
             [],
             [""],
-            ["a"] * P.MAX_EMBEDDING_INPUTS,  # short: the count is what matters (bug 5)
+            ["a"] * P.MAX_EMBEDDING_INPUTS,  # short: the count is what matters (item 5)
             ["a"] * (P.MAX_EMBEDDING_INPUTS + 1),
         )
         body = {"model": self.model, "input": inputs}
@@ -284,8 +282,8 @@ class TallowCases(LimitCases):
             body["dimensions"] = self._pick(1, 64, 10**6, 0)
         big = isinstance(inputs, list) and len(inputs) >= P.MAX_EMBEDDING_INPUTS
         leave = 0.2 if r.random() < 0.1 else None
-        bug = 5 if big else 4 if leave is not None else None
-        return self._case("embeddings", EMBEDDINGS, body, leave_after=leave, known_bug=bug)
+        item = 5 if big else 4 if leave is not None else None
+        return self._case("embeddings", EMBEDDINGS, body, leave_after=leave, item=item)
 
     def gen_responses(self) -> Case:
         items = self._pick(

@@ -1,7 +1,9 @@
 """tallow's fuzz cases near and past the limits (a mixin of `fuzz_cases.TallowCases`): JSON
 nested hundreds deep, grammars and schemas of thousands of rules, thousands of choices,
 prompts around the context window and bodies around the body limit, and malformed bodies.
-Several reach issue 33's known bugs (their `known_bug`)."""
+Several are what once crashed or stalled the server (issue 33; their `item`); their statuses
+are now exact: under a limit 200, past it 400 (`tallow.runtime.grammar_limits`,
+`server.context.MAX_JSON_DEPTH`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import json
 from typing import Any
 
 from fuzz_case import BAD, CHAT, COMPLETIONS, DETOKENIZE, EMBEDDINGS, OK, RESPONSES, TOKENIZE, Case
+
+from tallow.runtime.grammar_limits import MAX_GRAMMAR_RULES, MAX_SCHEMA_REFS
+from tallow.server.context import MAX_JSON_DEPTH
 
 
 def _chain_lark(n: int) -> str:
@@ -44,39 +49,39 @@ class LimitCases:
     """Generators (`gen_*`) using `TallowCases`' helpers (`_gen`, `_case`, `_pick`, ...)."""
 
     def gen_deep_tool_parameters(self) -> Case:
-        """JSON nested ~500 deep in a tool's parameters: Python's recursion limit (bug 3)."""
+        """JSON nested far past the body limit in a tool's parameters (500 deep once met
+        Python's recursion limit: a 500, item 3), or just within it."""
         params = {"type": "object", "properties": {"x": DEEP}}
         tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-        raw = _with_deep(self._gen(CHAT, tools=tools), self._pick(100, 500, 2000))
-        return self._case("deep:tool_parameters", CHAT, None, raw=raw, expect=BAD | OK, known_bug=3)
+        depth = self._pick(100, 500, 2000)  # the body's own 6 levels hold it
+        raw = _with_deep(self._gen(CHAT, tools=tools), depth)
+        expect = OK | BAD if depth + 6 <= MAX_JSON_DEPTH else BAD  # within: the tool's own 400s
+        return self._case("deep:tool_parameters", CHAT, None, raw=raw, expect=expect, item=3)
 
     def gen_deep_template_kwargs(self) -> Case:
         body = self._gen(CHAT, chat_template_kwargs={"x": DEEP})
-        raw = _with_deep(body, self._pick(100, 475, 2000))
-        return self._case(
-            "deep:chat_template_kwargs", CHAT, None, raw=raw, expect=BAD | OK, known_bug=3
-        )
+        depth = self._pick(100, MAX_JSON_DEPTH - 2, MAX_JSON_DEPTH - 1, 475, 2000)
+        raw = _with_deep(body, depth)  # the body's own 2 levels hold it
+        expect = OK if depth + 2 <= MAX_JSON_DEPTH else BAD
+        return self._case("deep:chat_template_kwargs", CHAT, None, raw=raw, expect=expect, item=3)
 
     def gen_big_grammar(self) -> Case:
-        """Grammars and schemas near and past what llguidance survives (bugs 1, 2)."""
-        n = self._pick(50, 500, 3000)
-        bug = 1 if n >= 3000 else 2 if n >= 500 else None
+        """Grammars and schemas at and past the limits (3,000 chained rules or `$ref`s once
+        crashed the server, item 1)."""
+        n = self._pick(50, 500, MAX_GRAMMAR_RULES - 2, MAX_GRAMMAR_RULES - 1, 3000)
         if self.rng.random() < 0.5:
             body = self._gen(COMPLETIONS, guided_grammar=_chain_lark(n))
-            return self._case("big:lark_rules", COMPLETIONS, body, expect=BAD | OK, known_bug=bug)
+            expect = OK if n + 2 <= MAX_GRAMMAR_RULES else BAD  # n + 2 definitions
+            return self._case("big:lark_rules", COMPLETIONS, body, expect=expect, item=1)
         body = self._gen(COMPLETIONS, guided_json=_chain_refs(n))
-        return self._case("big:schema_refs", COMPLETIONS, body, expect=BAD | OK, known_bug=bug)
+        expect = OK if n + 1 <= MAX_SCHEMA_REFS else BAD  # n + 1 `$ref`s
+        return self._case("big:schema_refs", COMPLETIONS, body, expect=expect, item=1)
 
     def gen_many_choices(self) -> Case:
-        n = self._pick(500, 2000, 5000)
+        """Thousands of options (past 2,000 they once ended in "grammar_error", item 6)."""
+        n = self._pick(500, 2000, 5000, 60_000)
         body = self._gen(COMPLETIONS, guided_choice=[f"option {i}" for i in range(n)])
-        return self._case(
-            "big:guided_choice",
-            COMPLETIONS,
-            body,
-            expect=BAD | OK,
-            known_bug=6 if n >= 2000 else None,
-        )
+        return self._case("big:guided_choice", COMPLETIONS, body, expect=OK, item=6)
 
     def gen_long_prompt(self) -> Case:
         """Prompts around the context window (in tokens) and the body limit (in bytes)."""
@@ -96,10 +101,10 @@ class LimitCases:
         body = base | {"prompt": ("word " * (filler // 5 + 1))[:filler]}
         over = size > self.max_body
         expect = frozenset({413}) if over else OK | BAD
-        # Tokenizing megabytes on the event loop stalls /health (bug 2).
+        # Tokenizing megabytes once stalled the event loop and /health (item 2).
         kind = "size:body_limit"
         return self._case(
-            kind, COMPLETIONS, body, expect=expect, may_reset=over, known_bug=None if over else 2
+            kind, COMPLETIONS, body, expect=expect, may_reset=over, item=None if over else 2
         )
 
     def gen_raw_bodies(self) -> Case:

@@ -16,7 +16,8 @@ from fuzz_case import Case
 
 STALL_S = 1.0
 # 429 queue_full is a right answer to any request while the queue is full (it is counted in
-# the tables; issue 33's known bug 5 shows as a burst of them, and as refused streams).
+# the tables; a large embeddings request locking others out shows as a burst of them, and as
+# refused streams).
 QUEUE_FULL = frozenset({429})
 BODY_SHOWN = 2048
 
@@ -78,7 +79,7 @@ def request_text(case: Case) -> dict[str, Any]:
         "body": shown,
         "headers": case.headers,
         "kind": case.kind,
-        "known_bug": case.known_bug,
+        "item": case.item,
     }
 
 
@@ -98,9 +99,6 @@ class Report:
     wall_s: float = 0.0
     batch_invariance_unchecked: bool = False
     t_start: float = field(default_factory=time.monotonic)
-    # Known bugs left out (`--skip-known-bugs`). With bug 2 open every grammar compile and
-    # long tokenization runs on the event loop: /health stalls are then reported, not failed.
-    skipped: frozenset[int] = frozenset()
 
     def add(self, out: Outcome) -> None:
         self.outcomes.append(out)
@@ -157,7 +155,7 @@ class Report:
             f.append("the solo runs of the 8 streams did not complete")
         if min((self.stream_runs.get(i, 0) for i in range(8)), default=0) < 1:
             f.append("a well-formed stream never completed during the run")
-        if self.health is not None and self.health.worst_s > STALL_S and 2 not in self.skipped:
+        if self.health is not None and self.health.worst_s > STALL_S:
             f.append(f"/health took {self.health.worst_s:.2f} s (limit {STALL_S} s)")
         if self.kv_pages_end:
             f.append(f"{self.kv_pages_end} KV pages still in use at the end")
@@ -242,11 +240,6 @@ class Report:
             f"KV pages in use at the end: {self.kv_pages_end}   "
             f"server exit status: {self.exit_code}",
         ]
-        if self.skipped:
-            lines.append(
-                f"known bugs left out: {sorted(self.skipped)}"
-                + (" (/health stalls reported, not failed)" if 2 in self.skipped else "")
-            )
         if self.batch_invariance_unchecked:
             lines.append("the server warned that batch invariance is not checked for this artifact")
         fails = self.failures()

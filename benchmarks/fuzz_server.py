@@ -1,7 +1,7 @@
 """Fuzz campaign against `tallow serve --deterministic` (issue 33).
 
     .venv/bin/python benchmarks/fuzz_server.py [--artifact DIR] [--requests 10000] \\
-        [--concurrency 4] [--schemathesis-share 0.5] [--skip-known-bugs 1,2] [--out DIR]
+        [--concurrency 4] [--schemathesis-share 0.5] [--out DIR]
 
 Starts the server as a child process (default: the embedded SmolLM2, compiled into artifacts/
 on first use), records 8 greedy chat streams alone, then keeps those 8 streams running while
@@ -255,7 +255,7 @@ async def probe_vocab(client: httpx.AsyncClient, url: str) -> int:
 async def campaign(args: argparse.Namespace) -> Report:
     target = Target(args.artifact, ["--max-body-bytes", str(args.max_body_bytes)])
     await asyncio.to_thread(target.start)
-    report = Report(requests=args.requests, skipped=frozenset(args.skip_known_bugs))
+    report = Report(requests=args.requests)
     stop = asyncio.Event()
     try:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
@@ -272,9 +272,8 @@ async def campaign(args: argparse.Namespace) -> Report:
             else []
         )
         own = TallowCases(args.seed, MODEL, vocab, model["max_model_len"], args.max_body_bytes)
-        skip = frozenset(args.skip_known_bugs)
         cases = [fuzz_schemathesis.to_case(c, MODEL, rng) for c in drawn]
-        cases += [own.next(skip) for _ in range(args.requests - len(cases))]
+        cases += [own.next() for _ in range(args.requests - len(cases))]
         rng.shuffle(cases)
         print(
             f"{len(cases)} requests ({len(drawn)} from Schemathesis), vocabulary {vocab}, "
@@ -326,12 +325,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schemathesis-share", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=33)
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    p.add_argument(
-        "--skip-known-bugs",
-        type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[],
-        help="leave out the cases of these known bugs (issue 33 items 1-7) until they are fixed",
-    )
     p.add_argument("--out", type=Path, help="folder for report.json and findings.jsonl")
     return p.parse_args(argv)
 
