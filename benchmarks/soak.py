@@ -21,9 +21,10 @@ this client takes 1% of one core; its share is printed with the results.
 Pass (computed here): 0 errors (a request that fails, or a stream with an error event; the
 clients that leave on purpose are not errors); RSS at the end (median of the last 3 samples)
 within 10% (and at least 16 MB) of its post-warm-up level (median of the first 3 samples
-after `--warm-up`); descriptors and threads at the end at most 8 and 2 above their
-post-warm-up maximum; p99 time to first token and p99 latency at the end (median of the last
-quarter of windows) at most 1.5x (`--p99-factor`) their post-warm-up level (first quarter);
+after `--warm-up`); descriptors at the end at most 8 above their post-warm-up maximum, and
+threads at most 2 above their maximum over the first half of the run after warm-up (pools
+of threads grow lazily up to their bounds); p99 time to first token and p99 latency at the
+end (median of the last quarter of windows) at most 1.5x (`--p99-factor`) their post-warm-up level (first quarter);
 and once the clients stop, no sequence running and no KV page held beyond what the prefix
 cache may keep (every page, with --no-prefix-cache).
 """
@@ -243,7 +244,11 @@ def judge(
         statistics.median(s.rss_mb for s in last),
     )
     fds0, fds1 = max(s.fds for s in first), max(s.fds for s in last)
-    thr0, thr1 = max(s.threads for s in first), max(s.threads for s in last)
+    # Threads come and go in bounded pools (AnyIO's for sync routes, the request-preparation
+    # and grammar threads, asyncio's executor), growing lazily: a leak shows as growth past
+    # what the first half of the run after warm-up reached, not past its first samples.
+    thr0 = max(s.threads for s in after[: max(3, len(after) // 2)])
+    thr1 = max(s.threads for s in last)
 
     def level(xs: list[Sample], name: str) -> float:
         values = [getattr(s, name) for s in xs if not math.isnan(getattr(s, name))]
