@@ -24,9 +24,9 @@ within 10% (and at least 16 MB) of its post-warm-up level (median of the first 3
 after `--warm-up`); descriptors at the end at most 8 above their post-warm-up maximum, and
 threads at most 2 above their maximum over the first half of the run after warm-up (pools
 of threads grow lazily up to their bounds); p99 time to first token and p99 latency at the
-end (median of the last quarter of windows) at most 1.5x (`--p99-factor`) their post-warm-up level (first quarter);
-and once the clients stop, no sequence running and no KV page held beyond what the prefix
-cache may keep (every page, with --no-prefix-cache).
+end (median of the last quarter of windows) at most 1.5x (`--p99-factor`) their post-warm-up
+level (first quarter); and once the clients stop, no sequence running and no KV page held
+beyond what the prefix cache may keep (every page, with --no-prefix-cache).
 """
 
 from __future__ import annotations
