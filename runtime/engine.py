@@ -282,6 +282,9 @@ class Engine:
             for fut, (_, rid) in in_flight.items():
                 if not fut.done():
                     self.abort(rid)
+                    fut.cancel()  # nobody waits for it any more (nor for the abort's error)
+                elif not fut.cancelled():
+                    fut.exception()  # read: asyncio would log it as "never retrieved"
 
     def embed_sync(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """`embed` without an event loop: runs steps until every prompt is embedded."""
