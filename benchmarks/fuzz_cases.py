@@ -283,7 +283,7 @@ class TallowCases(LimitCases):
         big = isinstance(inputs, list) and len(inputs) >= P.MAX_EMBEDDING_INPUTS
         leave = 0.2 if r.random() < 0.1 else None
         item = 5 if big else 4 if leave is not None else None
-        return self._case("embeddings", EMBEDDINGS, body, leave_after=leave, item=item)
+        return self._case("embeddings", EMBEDDINGS, body, leave_after=leave, item=item, costly=big)
 
     def gen_responses(self) -> Case:
         items = self._pick(

@@ -137,11 +137,26 @@ class SchedulerOutput:
 # -- what the engine streams back (consumed by the server and the CLI) -----------------------
 
 
+# The lowest logprob reported. A token can have probability 0 in float32 (log: -inf), and
+# JSON has no infinity: the response could not be written (a 500 the fuzz campaign found,
+# after a repetition penalty of 5e-324). vLLM reports such tokens as -9999.0 too.
+MIN_LOGPROB = -9999.0
+
+
+def _reportable(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN and -inf alike
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] | None = None
+
+    def __post_init__(self) -> None:
+        self.logprob = _reportable(self.logprob)
+        if self.top_logprobs is not None:
+            self.top_logprobs = [(t, _reportable(lp)) for t, lp in self.top_logprobs]
 
 
 @dataclass

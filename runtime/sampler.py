@@ -88,7 +88,8 @@ def apply_penalties(
             seen = np.unique(np.concatenate([prompt, out]))
             rep_rows.append(np.full(seen.size, i, dtype=np.int64))
             rep_toks.append(seen)
-            rep_vals.append(np.full(seen.size, p.repetition_penalty, dtype=np.float32))
+            pen = min(p.repetition_penalty, float(np.finfo(np.float32).max))  # float32 holds it
+            rep_vals.append(np.full(seen.size, pen, dtype=np.float32))
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             if out is None:
                 out = _as_ids(output_ids[i] if output_ids is not None else None, vocab)
@@ -100,7 +101,13 @@ def apply_penalties(
     if rep_rows:
         r, t, pen = np.concatenate(rep_rows), np.concatenate(rep_toks), np.concatenate(rep_vals)
         v = logits[r, t]
-        logits[r, t] = np.where(v > 0, v / pen, v * pen)
+        # Any positive penalty is valid, but 5e-324 is 0 in float32 and 1e-40 divides a logit
+        # past float32's range: an infinite logit (or two) makes the softmax NaN. Clipped to
+        # the finite range, such a penalty still does what it says (that token dominates).
+        f32 = np.finfo(np.float32)
+        pen = np.maximum(pen, f32.tiny)
+        with np.errstate(over="ignore"):
+            logits[r, t] = np.clip(np.where(v > 0, v / pen, v * pen), -f32.max, f32.max)
     if add_rows:
         # (row, token) pairs are unique per row, so fancy-index subtraction does not collide
         r, t = np.concatenate(add_rows), np.concatenate(add_toks)

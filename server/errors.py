@@ -88,6 +88,13 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        # Starlette re-raises after this answer and uvicorn then drops the connection: say
+        # so, or a client that keeps it alive sends its next request into a closed socket
+        # (the fuzz campaign saw that request fail with a ReadError).
         return APIError(
-            500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error"
+            500,
+            f"internal error: {type(e).__name__}",
+            type="server_error",
+            code="internal_error",
+            headers={"Connection": "close"},
         ).response()

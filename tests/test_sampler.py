@@ -254,6 +254,22 @@ def test_repetition_penalty_matches_transformers():
         assert out.token_ids[0] == int(np.argmax(ref))
 
 
+@pytest.mark.parametrize("pen", [5e-324, 1e-40, 1e300])
+def test_extreme_repetition_penalties_keep_the_distribution_finite(pen):
+    """Valid (positive) but past float32: 5e-324 is 0 there, 1e-40 divides a logit past its
+    range. The seen token with the largest positive logit must win (tiny penalties favour
+    seen tokens), with finite logprobs; an enormous one pushes seen tokens out."""
+    x = _logits(1, seed=7)
+    x[0, :4] = [3.0, 1.0, -2.0, 0.5]
+    p = SamplingParams(temperature=0.0, repetition_penalty=pen, logprobs=True, top_logprobs=3)
+    out = Sampler().sample(x, [p], [None], [[0, 1, 2]], [[]])
+    assert all(np.isfinite(lp) for _, lp in out.top_logprobs[0])
+    if pen < 1:
+        assert out.token_ids[0] in (0, 1)
+    else:
+        assert out.token_ids[0] not in (0, 1, 2)
+
+
 def test_frequency_and_presence_penalties_use_output_tokens_only():
     x = np.zeros((1, 10), dtype=np.float32)
     p = SamplingParams(

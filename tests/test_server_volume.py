@@ -385,3 +385,39 @@ def test_tokenizing_a_long_prompt_lets_other_threads_run(bundle, how):
             threading.Event().wait(0.001)
             ticks += 1
         assert ticks >= 10, f"the main thread ran {ticks} times while {how} was tokenized"
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e300])
+def test_extreme_repetition_penalties_answer_in_valid_json(server, penalty):
+    """A valid but extreme penalty once made a logit infinite, a logprob -inf, and the answer
+    unwritable as JSON (a 500, found by the fuzz campaign)."""
+    body = {
+        "model": MODEL,
+        "prompt": "the capital the capital",
+        "max_tokens": 3,
+        "logprobs": 2,
+        "repetition_penalty": penalty,
+    }
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["logprobs"]
+    values = lps["token_logprobs"] + [v for top in lps["top_logprobs"] for v in top.values()]
+    assert values and all(-9999.0 <= v <= 0.0 for v in values)
+
+
+def test_an_internal_error_closes_its_connection_openly(server, monkeypatch):
+    """After an unhandled error Starlette re-raises and uvicorn drops the connection; the
+    500 says `Connection: close`, so a keep-alive client does not send into a dead socket."""
+    from tallow.server.routes import chat as chat_route
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(chat_route, "chat_inputs", broken)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 500 and r.headers["connection"] == "close"
+        assert r.json()["error"]["code"] == "internal_error"
+        monkeypatch.undo()
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
