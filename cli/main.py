@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tallow.cli.eval import add_eval_parser, run_eval
+from tallow.cli.sampling_flags import add_sampling_flags, check_sampling_flags, sampling_defaults
 from tallow.runtime.errors import TallowError
 
 
@@ -190,9 +191,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="with --chat: a system message")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
+    add_sampling_flags(p, "the command line")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     _add_device(p)
@@ -315,6 +314,7 @@ def _add_serve(sub) -> None:
         default=30.0,
         help="seconds a client gets to send a whole request, headers and body (default 30)",
     )
+    add_sampling_flags(p, "a request")
     _add_device(p)
     p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
 
@@ -495,7 +495,9 @@ def _run_serve(args) -> int:
         allowed_hosts=_comma_list(args.allowed_hosts),
         allowed_origins=_comma_list(args.allowed_origins),
         request_timeout=args.request_timeout,
+        sampling_defaults=sampling_defaults(args, engine.model.sampling_defaults),
     )
+    print(f"sampling defaults: {options.sampling_defaults.describe()}", file=sys.stderr)
     name = args.served_model_name or _served_name(args.artifact, folder)
     library = getattr(engine.runner, "library", None)  # which of the artifact's libraries
     if library is not None:
@@ -529,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         "push": _run_push,
     }
     try:
+        if args.command in ("generate", "serve"):
+            check_sampling_flags(args)
         return commands[args.command](args)
     except TallowError as e:
         print(f"error: {e}", file=sys.stderr)

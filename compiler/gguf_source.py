@@ -21,6 +21,7 @@ from tallow.model_defs.registry import (
 )
 from tallow.runtime.errors import ModelSourceError
 from tallow.runtime.manifest import TokenizerInfo
+from tallow.runtime.sampling_defaults import SamplingDefaults, from_gguf
 
 from .source import ModelSource, slug
 from .tokenizer_files import CHAT_TEMPLATE_FILE
@@ -157,6 +158,11 @@ class GGUFModelSource(ModelSource):
 
     def weight_map(self, architecture, config) -> dict[str, list[str]]:
         return architecture.gguf_weight_map(config)
+
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        """The `general.sampling.*` keys llama.cpp's converter copies from the model's
+        generation_config.json; None when the file has none."""
+        return from_gguf(lambda key: _field(self.readers[0], key))
 
     def write_tokenizer(self, out: Path) -> TokenizerInfo:
         from .gguf_tokenizer import tokenizer_from_gguf

@@ -80,6 +80,7 @@ class CompileState:
     final_dir: Path | None = None
     param_infos: list = field(default_factory=list)
     tokenizer_info: Any = None
+    sampling_defaults: Any = None  # runtime.sampling_defaults.SamplingDefaults
     functions: list[str] = field(default_factory=list)
     embedding: Any = None  # runtime.manifest.EmbeddingInfo
     targets: list = field(default_factory=list)  # every TargetSpec, in build order

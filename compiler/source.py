@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tallow.runtime.errors import ModelSourceError
 
@@ -38,6 +39,9 @@ class ModelSource:
     tokenizer_files: list[Path] = field(default_factory=list)
     gguf_file: Path | None = None
     hub_id: str | None = None
+    # Sampling defaults known for this exact model when its files carry none (the embedded
+    # default model's card); None: read them from the files (`tokenizer_files`).
+    known_sampling: Any = None
 
     @property
     def name(self) -> str:
@@ -99,9 +103,11 @@ def _download_from_hub(repo_id: str) -> Path:
 
 def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
     if spec == "default":
-        from .default_model import default_model_path
+        from .default_model import MODEL_CARD_SAMPLING, default_model_path
 
-        spec = str(default_model_path())
+        source = resolve_source(str(default_model_path()))
+        source.known_sampling = MODEL_CARD_SAMPLING
+        return source
     path = Path(spec).expanduser()
     if gguf_file is not None:
         return _named_gguf(spec, path, gguf_file)

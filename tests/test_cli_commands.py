@@ -30,7 +30,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def generate(capsys, art, *args: str) -> tuple[str, str]:
-    code, out, err = run(capsys, "generate", str(art), "--max-tokens", "12", "--ignore-eos", *args)
+    """Greedy unless `args` say otherwise (a later flag wins)."""
+    base = ("generate", str(art), "--max-tokens", "12", "--ignore-eos", "--temperature", "0")
+    code, out, err = run(capsys, *base, *args)
     assert code == 0, err
     return out, err
 
@@ -109,3 +111,28 @@ def test_generate_seed_and_top_k(capsys, art):
     for seed in ("1", "2"):
         k1, _ = generate(capsys, art, *sample, "--seed", seed, "--top-k", "1")
         assert k1 == greedy
+
+
+def test_generate_applies_the_manifests_sampling_defaults(capsys, art, tmp_path):
+    import dataclasses
+    import shutil
+
+    from tallow.runtime.manifest import Manifest
+    from tallow.runtime.sampling_defaults import SamplingDefaults
+
+    greedy, _ = generate(capsys, art, "--prompt", PROMPT)
+    mine = tmp_path / "art"
+    shutil.copytree(art, mine)
+    manifest = Manifest.read(mine)
+    said = SamplingDefaults(temperature=0.0, source="test")
+    dataclasses.replace(manifest, sampling_defaults=said).write(mine)
+
+    def plain(*args: str) -> str:  # no --temperature unless given
+        code, out, err = run(capsys, "generate", str(mine), "--max-tokens", "12", *args)
+        assert code == 0, err
+        return out
+
+    assert plain("--prompt", PROMPT, "--ignore-eos") == greedy  # the model's temperature 0
+    # OpenAI's temperature 1 instead: sampled (one of two seeds differs from greedy).
+    openai = ("--prompt", PROMPT, "--ignore-eos", "--sampling-defaults", "openai")
+    assert any(plain(*openai, "--seed", s) != greedy for s in ("1", "2"))
