@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tallow.cli.arg_types import device, positive_int
 from tallow.runtime.errors import TallowError
 
 DESCRIPTION = (
@@ -42,8 +43,12 @@ def add_eval_parser(sub) -> None:
         "--context", type=int, default=512, help="tokens per window (default 512, as llama.cpp)"
     )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+    p.add_argument(
+        "--device", type=device, help="cpu, cuda:N or metal:N (default: the artifact's kind)"
+    )
+    p.add_argument(
+        "--threads", type=positive_int, help="CPU kernel threads (default: every usable CPU)"
+    )
 
 
 def run_eval(args) -> int:

@@ -58,6 +58,10 @@ def sampling_params(args, model: ServedModel) -> SamplingParams:
 
 
 def run_generate(args) -> int:
+    try:  # what can be checked before the (slow) load; the sampling flags are checked
+        SamplingParams(max_tokens=args.max_tokens).validate()
+    except SamplingParamsError as e:
+        raise TallowError(str(e)) from e
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t_load = time.perf_counter()
     runner = TVMModelRunner(

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tallow.cli.arg_types import device as device_arg
+from tallow.cli.arg_types import positive_int
 from tallow.cli.eval import add_eval_parser, run_eval
 from tallow.cli.sampling_flags import add_sampling_flags, check_sampling_flags, sampling_defaults
 from tallow.runtime.errors import TallowError
@@ -195,12 +197,15 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     _add_device(p)
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+    p.add_argument(
+        "--threads", type=positive_int, help="CPU kernel threads (default: every usable CPU)"
+    )
 
 
 def _add_device(p) -> None:
     p.add_argument(
         "--device",
+        type=device_arg,
         default="auto",
         help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
         "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
@@ -316,7 +321,9 @@ def _add_serve(sub) -> None:
     )
     add_sampling_flags(p, "a request")
     _add_device(p)
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+    p.add_argument(
+        "--threads", type=positive_int, help="CPU kernel threads (default: every usable CPU)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -448,6 +455,17 @@ _DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
 
 
 def _run_serve(args) -> int:
+    from tallow.server.listener import bind_listener
+
+    # The port first: one that is taken is an error now, not after the model has loaded.
+    listener = bind_listener(args.host, args.port)
+    try:
+        return _serve_on(args, listener)
+    finally:
+        listener.close()
+
+
+def _serve_on(args, listener) -> int:
     folder = args.artifact
     if folder is None:
         folder = _DEFAULT_ARTIFACT
@@ -502,7 +520,8 @@ def _run_serve(args) -> int:
     library = getattr(engine.runner, "library", None)  # which of the artifact's libraries
     if library is not None:
         print(f"library {library.file} ({library.target})", file=sys.stderr, flush=True)
-    return serve(engine, name, options, args.host, args.port)  # says "serving ..." once bound
+    # Says "serving ..." once uvicorn serves on the listener.
+    return serve(engine, name, options, args.host, args.port, listener)
 
 
 def _served_name(spec, folder: Path) -> str:

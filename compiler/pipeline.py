@@ -136,8 +136,9 @@ def compile_model(options: CompileOptions) -> Path:
     """Run every phase; return the artifact folder."""
     from .libraries import resolve_targets
 
+    check_options(options)  # before anything imports TVM (4 s, 10-20 s on a busy machine)
     state = CompileState(options=options, progress=Progress(quiet=options.quiet))
-    state.targets = resolve_targets(options)
+    state.targets = resolve_targets(options)  # --cpu native asks TVM's LLVM for the CPU
     phases = _phases(state.targets)
     options.output.mkdir(parents=True, exist_ok=True)
     try:
@@ -155,6 +156,24 @@ def compile_model(options: CompileOptions) -> Path:
     finally:
         if state.work_dir is not None:
             shutil.rmtree(state.work_dir, ignore_errors=True)
+
+
+def check_options(options: CompileOptions) -> None:
+    """The checks that need neither TVM nor the network, so a mistyped option or model path
+    is reported in a second, not after TVM has loaded."""
+    from .kv_layout import check_page_size, choose_kv_dtype
+    from .libraries import check_target_options
+    from .quant_plan import check_quant_name
+    from .source import check_source
+
+    check_target_options(options)
+    check_quant_name(options.quant)
+    check_page_size(options.page_size)
+    if options.kv_dtype is not None:
+        choose_kv_dtype(options.kv_dtype, "f32", backends=[])  # the name; targets come later
+    if options.context_window is not None and options.context_window < 1:
+        raise TallowError(f"--context-window must be at least 1 (got {options.context_window})")
+    check_source(options.model, options.gguf_file)
 
 
 def make_work_dir(state: CompileState, name: str) -> None:
