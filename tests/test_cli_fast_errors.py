@@ -109,4 +109,3 @@ def test_serve_reports_a_port_in_use_at_once(files):
     (line,) = error_lines(err)
     assert line.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use")
     assert "Traceback" not in err and "Errno" not in err
-
