@@ -113,7 +113,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     runner.batch_invariant = options.deterministic
     if options.deterministic:
         _warn_if_not_batch_invariant(runner)
-    log.warning(
+    log.info(  # -v shows it; `tallow serve` says nothing unless something needs the user
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
         runner.page_size,

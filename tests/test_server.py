@@ -390,6 +390,11 @@ def test_sigterm_drains_in_flight(artifact):
         artifact, "--max-num-seqs", "1", "--kv-cache-mem", "4", "--shutdown-timeout", "20"
     )
     proc, base = server.proc, server.base_url
+    # A normal start says where it serves and with what, and warns about nothing (the KV
+    # cache's size is INFO, shown with -v).
+    started = server.stderr()
+    assert "WARNING" not in started and "KV cache" not in started, started
+    assert "sampling defaults:" in started and "serving tiny on http://" in started
     try:
         long = {**greedy(max_tokens=200), "prompt": "Long one", "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=60) as r:
