@@ -7,6 +7,11 @@ import argparse
 
 from tallow.runtime.library_select import DEVICE_CHOICES
 
+THREADS_HELP = (
+    "CPU kernel threads (default: every usable CPU but one, so that a busy neighbour does not "
+    "stall TVM's pinned, spinning pool; docs/cpu-kernels.md#threads)"
+)
+
 
 def positive_int(value: str) -> int:
     try:

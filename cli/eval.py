@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tallow.cli.arg_types import device, positive_int
+from tallow.cli.arg_types import THREADS_HELP, device, positive_int
 from tallow.runtime.errors import TallowError
 
 DESCRIPTION = (
@@ -46,9 +46,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument(
         "--device", type=device, help="cpu, cuda:N or metal:N (default: the artifact's kind)"
     )
-    p.add_argument(
-        "--threads", type=positive_int, help="CPU kernel threads (default: every usable CPU)"
-    )
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def run_eval(args) -> int:

@@ -33,7 +33,7 @@ class EngineOptions:
     memory_fraction: float | None = None  # GPU: of free device memory; CPU: of available RAM
     prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
-    threads: int | None = None  # CPU kernel threads; None: every usable CPU
+    threads: int | None = None  # CPU kernel threads; None: every usable CPU but one
     # Batch-invariant outputs: a request's tokens and logprobs the same bits whatever runs
     # beside it (docs/cpu-kernels.md#deterministic-mode); no prefix cache.
     deterministic: bool = False
