@@ -4,6 +4,7 @@ commit it hands huggingface_hub (HfApi replaced by a recorder: no hub here)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,13 @@ def test_card_links_a_hub_source_model(art):
         f"| `{m.libraries[0].file}` | {m.libraries[0].target} (" in card.text
         and "| 2.0 MiB |" in card.text
     )
+    # It links only the source model, and installs tallow the ways that work (issue 35:
+    # `pip install tallow` named a PyPI package that is not this project).
+    assert set(re.findall(r"https?://[^\s)]+", card.text)) == {
+        "https://huggingface.co/Qwen/Qwen3-0.6B"
+    }
+    installs = re.findall(r"`pip install ([^`]+)`", card.text)
+    assert installs == [".", f"tallow-{m.tallow_version}-py3-none-any.whl"], installs
 
 
 def test_a_damaged_artifact_is_not_pushed(art, capsys):
