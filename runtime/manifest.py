@@ -200,6 +200,11 @@ class Manifest:
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = Path(folder) / MANIFEST_NAME
+        if Path(folder).is_file():
+            raise ArtifactError(
+                f"{folder} is a file, not an artifact folder (the folder `tallow compile` "
+                f"writes, holding {MANIFEST_NAME})"
+            )
         if not Path(folder).is_dir():
             raise ArtifactError(f"artifact folder not found: {folder}")
         if not path.is_file():
