@@ -327,14 +327,14 @@ def test_disconnect_frees_kv(server, client):
                     sock.sendall(request)
                     gate.wait_held()
             # The server notices the client left and ends the request before the step ends.
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while metric(server.base_url, "tallow_server_requests_in_flight", AUTH) != 0:
                 assert time.monotonic() < deadline, "a request outlived its client"
                 time.sleep(0.02)
             gate.open()
     finally:
         gate.remove()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while metric(server.base_url, "tallow_kv_cache_pages_used", AUTH) != idle:
         assert time.monotonic() < deadline, "KV pages were not freed after disconnects"
         time.sleep(0.05)
@@ -363,7 +363,7 @@ def test_queue_full_gives_429(artifact):
             next(first_lines)  # it is running, holding the only slot
             waiter = threading.Thread(target=lambda: httpx.post(url, json=body, timeout=30))
             waiter.start()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while metric(s.base_url, "tallow_server_queued_requests") < 1:
                 assert time.monotonic() < deadline, "the second request never queued"
                 time.sleep(0.02)
