@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from tallow.runtime.cpu_threads import usable_cpus
 from tallow.runtime.engine_factory import EngineOptions, build_engine
 from tallow.runtime.model_runner_protocol import SAMPLER_FUNCTION
 from tallow.runtime.sampling_params import SamplingParams
@@ -106,6 +108,9 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    # Every CPU, as docs/benchmarks.md's figures were measured (the runtime's default leaves
+    # one free: runtime/cpu_threads.py); TVM_NUM_THREADS set by the caller wins.
+    os.environ.setdefault("TVM_NUM_THREADS", str(usable_cpus()))
     ap.add_argument("artifact", nargs="?", help="an artifact folder")
     ap.add_argument("--shape", action="append", default=[], help="a bench_files shape; all")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file (compiled once)")

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tallow.cli.arg_types import THREADS_HELP, device, positive_int
 from tallow.runtime.errors import TallowError
 
 DESCRIPTION = (
@@ -42,8 +43,10 @@ def add_eval_parser(sub) -> None:
         "--context", type=int, default=512, help="tokens per window (default 512, as llama.cpp)"
     )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    p.add_argument("--device", help="cpu, cuda:N or metal:N (default: the artifact's kind)")
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
+    p.add_argument(
+        "--device", type=device, help="cpu, cuda:N or metal:N (default: the artifact's kind)"
+    )
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def run_eval(args) -> int:
@@ -53,6 +56,14 @@ def run_eval(args) -> int:
     check_context(args.context)  # before loading the models
     runner = _load(args.artifact, args)
     reference = _load(args.reference, args) if args.reference is not None else None
+    same = reference is not None and same_weights(runner, reference)
+    if same:
+        print(
+            f"note: {args.reference} has the very same weights as {args.artifact} (identical "
+            "shards): expect KL 0 and no change in perplexity, which says nothing about a "
+            "weight format; the reference is meant to be the model's f32 artifact",
+            file=sys.stderr,
+        )
     tokens = text_tokens(runner, text)
     progress = _Progress()
     started = time.perf_counter()
@@ -64,12 +75,30 @@ def run_eval(args) -> int:
             "reference": None if reference is None else str(args.reference),
             "text": str(args.text),
             **result.as_dict(),
+            "same_weights": same,
             "seconds": round(seconds, 3),
         }
         print(json.dumps(figures))
     else:
         print(summary_line(result))
     return 0
+
+
+def same_weights(a, b) -> bool:
+    """Whether two loaded artifacts hold the very same weights: the same parameters (names,
+    shapes, types) in shards of the same sha256 (False when either has no checksums)."""
+    ma, mb = a.manifest, b.manifest
+    if ma.checksums is None or mb.checksums is None:
+        return False
+    pa, pb = ma.params_for(a.library), mb.params_for(b.library)
+
+    def key(params, checksums):
+        return [(p.name, p.shape, p.dtype, p.quant, checksums[p.shard]["sha256"]) for p in params]
+
+    try:
+        return key(pa, ma.checksums) == key(pb, mb.checksums)
+    except KeyError:  # a shard without a recorded checksum
+        return False
 
 
 def summary_line(result) -> str:

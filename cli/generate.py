@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from tallow.cli.sampling_flags import sampling_defaults
 from tallow.runtime.detokenizer import IncrementalDetokenizer
 from tallow.runtime.errors import TallowError
 from tallow.runtime.generate import GenerationStats, generate_tokens
@@ -35,13 +36,17 @@ def encode_prompt(model: ServedModel, prompt: str, chat: bool, system: str | Non
         raise TallowError(f"--chat: the chat template rejected the messages: {e}") from e
 
 
-def run_generate(args) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+def sampling_params(args, model: ServedModel) -> SamplingParams:
+    """The flags given, and the model's defaults (or OpenAI's) for the rest."""
+    defaults = sampling_defaults(args, model.sampling_defaults)
+    top_k = defaults.value("top_k")
     params = SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        temperature=defaults.value("temperature"),
+        top_p=defaults.value("top_p"),
+        top_k=0 if top_k >= model.vocab_size else top_k,
+        min_p=defaults.value("min_p"),
+        repetition_penalty=defaults.value("repetition_penalty"),
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
@@ -49,6 +54,15 @@ def run_generate(args) -> int:
         params.validate()
     except SamplingParamsError as e:
         raise TallowError(str(e)) from e
+    return params
+
+
+def run_generate(args) -> int:
+    try:  # what can be checked before the (slow) load; the sampling flags are checked
+        SamplingParams(max_tokens=args.max_tokens).validate()
+    except SamplingParamsError as e:
+        raise TallowError(str(e)) from e
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t_load = time.perf_counter()
     runner = TVMModelRunner(
         args.artifact,
@@ -63,6 +77,7 @@ def run_generate(args) -> int:
             "(tallow serve, POST /v1/embeddings)"
         )
     model = ServedModel.from_runner(runner)
+    params = sampling_params(args, model)
     prompt_ids = encode_prompt(model, prompt, args.chat, args.system)
     detok = IncrementalDetokenizer(model.tokenizer, prompt_ids)
     stats = GenerationStats()

@@ -96,6 +96,21 @@ def upload_plan(folder: Path, manifest: Manifest) -> dict[str, int]:
     return {name: (folder / name).stat().st_size for name in sorted(names)}
 
 
+def publishing_warnings(manifest: Manifest) -> list[str]:
+    """What makes an artifact a poor one to publish (docs/ci.md): a `--cpu native` library
+    runs only on CPUs with every feature of the compiling machine's."""
+    out = []
+    for lib in manifest.libraries:
+        if lib.device == "cpu" and lib.cpu_level == "native":
+            needs = ", ".join(lib.cpu_features) or "its features"
+            out.append(
+                f"{lib.file} was compiled with --cpu native ({lib.target}): a CPU without "
+                f"{needs} refuses it; for a published artifact compile a named level "
+                "(--cpu x86-64-v3, x86-64-v2, ...; docs/ci.md)"
+            )
+    return out
+
+
 def run_push(args) -> int:
     folder: Path = args.artifact
     ref: HubRef = args.repo
@@ -122,6 +137,8 @@ def run_push(args) -> int:
     print(f"{len(card.encode()):>14,}  {CARD_NAME} (generated model card)")
     for name in skipped:
         print(f"not uploaded (the manifest does not record it): {name}", file=sys.stderr)
+    for warning in publishing_warnings(manifest):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
         print(f"--- {CARD_NAME} ---")
         print(card)

@@ -12,7 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from tallow.cli.arg_types import THREADS_HELP, positive_int
 from tallow.cli.eval import add_eval_parser, run_eval
+from tallow.cli.inspect import add_inspect_parser, run_inspect
+from tallow.cli.sampling_flags import add_sampling_flags, check_sampling_flags
+from tallow.cli.serve import add_device, add_serve_parser, run_serve
 from tallow.runtime.errors import TallowError
 
 
@@ -190,42 +194,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", help="with --chat: a system message")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: off)")
+    add_sampling_flags(p, "the command line")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    _add_device(p)
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
-
-
-def _add_device(p) -> None:
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
-        "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
-    )
-
-
-def _add_inspect(sub) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="print an artifact's manifest, or with --gpu its decode roofline",
-        description=(
-            "Print the manifest. With --gpu, print instead the bytes one decode step reads "
-            "(weights once, the KV cache of every sequence) and the resulting upper bound on "
-            "tok/s on that GPU (runtime/roofline.py)."
-        ),
-    )
-    p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
-    from tallow.runtime.roofline import GPUS
-
-    p.add_argument("--gpu", help=f"a GPU by name: {', '.join(GPUS)}")
-    p.add_argument("--batch", type=int, default=1, help="sequences per decode step (default 1)")
-    p.add_argument(
-        "--context", type=int, default=512, help="positions each sequence attends to (512)"
-    )
+    add_device(p)
+    p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def _add_verify(sub) -> None:
@@ -242,83 +215,6 @@ def _add_verify(sub) -> None:
     p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
-def _add_serve(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve an artifact over an OpenAI-compatible HTTP API",
-        description=(
-            "Serve an artifact with /v1/chat/completions, /v1/completions, /v1/models, "
-            "/tokenize, /detokenize, /health and /metrics, and a chat page at / (unless "
-            "--no-ui). Without ARTIFACT, the embedded default model is compiled for this host "
-            "once (cached under artifacts/) and served."
-        ),
-    )
-    p.add_argument(
-        "artifact", type=_artifact, nargs="?", help=_ARTIFACT_HELP + " (default: see above)"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("TALLOW_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $TALLOW_API_KEY, else no auth)",
-    )
-    p.add_argument("--served-model-name", help="model name in the API (default: folder name)")
-    p.add_argument("--no-ui", action="store_true", help="no chat page at / (the API only)")
-    p.add_argument(
-        "--allowed-hosts",
-        default="",
-        help="comma-separated Host names to answer besides localhost names, IP addresses and "
-        "the bind address ('*.example.com': its subdomains, '*': any); other Hosts get 400, "
-        "which stops DNS-rebinding pages",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        default="",
-        help="comma-separated web origins whose pages may call the API (CORS; '*': any); "
-        "default: none",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences per batch (16)")
-    p.add_argument("--prefill-chunk-size", type=int, default=512, help="tokens (default 512)")
-    p.add_argument("--kv-cache-mem", type=float, help="KV cache size in MB (default: by memory)")
-    p.add_argument(
-        "--gpu-memory-fraction",
-        type=float,
-        help="share of free memory for the KV cache (default 0.9 on GPUs, 0.25 of RAM on CPU)",
-    )
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    p.add_argument("--prefix-cache-max-tokens", type=int, default=8192, help="(default 8192)")
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="batch-invariant outputs: a request's tokens and logprobs do not depend on what "
-        "else runs (turns the prefix cache off)",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=256,
-        help="waiting sequences (prompts x n) before 429 (256)",
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=4 * 2**20, help="largest request body (4 MiB)"
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a client gets to send a whole request, headers and body (default 30)",
-    )
-    _add_device(p)
-    p.add_argument("--threads", type=int, help="CPU kernel threads (default: every usable CPU)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tallow",
@@ -329,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     add_eval_parser(sub)
     _add_generate(sub)
-    _add_inspect(sub)
-    _add_serve(sub)
+    add_inspect_parser(sub, _artifact, _ARTIFACT_HELP)
+    add_serve_parser(sub, _artifact, _ARTIFACT_HELP)
     _add_verify(sub)
     from tallow.cli.hub import add_push
 
@@ -398,20 +294,6 @@ def _run_generate(args) -> int:
     return run_generate(args)
 
 
-def _run_inspect(args) -> int:
-    from tallow.cli.hub import manifest_folder
-    from tallow.runtime.manifest import Manifest
-
-    manifest = Manifest.read(manifest_folder(args.artifact))
-    if args.gpu is None:
-        sys.stdout.write(manifest.to_yaml())
-        return 0
-    from tallow.runtime.roofline import decode_roofline
-
-    print(decode_roofline(manifest, args.gpu, args.batch, args.context).describe())
-    return 0
-
-
 def _run_verify(args) -> int:
     from tallow.cli.hub import whole_artifact_folder
     from tallow.runtime.integrity import verify
@@ -444,75 +326,6 @@ def _run_push(args) -> int:
     return run_push(args)
 
 
-_DEFAULT_ARTIFACT = Path("artifacts/smollm2-135m-instruct-q4_1-cpu")
-
-
-def _run_serve(args) -> int:
-    folder = args.artifact
-    if folder is None:
-        folder = _DEFAULT_ARTIFACT
-        if not (folder / "manifest.yaml").is_file():
-            # The one case where serving needs the compiler: the first run without an artifact.
-            from tallow.compiler.pipeline import CompileOptions, compile_model
-
-            print(f"compiling the default model into {folder} (once)", file=sys.stderr)
-            options = CompileOptions(model="default", output=folder.parent, name=folder.name)
-            folder = Path(compile_model(options))
-    else:
-        from tallow.cli.hub import artifact_folder
-
-        folder = artifact_folder(args.artifact, args.device)
-    # Otherwise the server needs only TVM's runtime library, not the compiler stack.
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-    from tallow.runtime.engine_factory import EngineOptions, build_engine
-    from tallow.server.app import ServerOptions
-    from tallow.server.launch import serve
-
-    engine = build_engine(
-        folder,
-        EngineOptions(
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk_size=args.prefill_chunk_size,
-            kv_cache_mem_mb=args.kv_cache_mem,
-            memory_fraction=args.gpu_memory_fraction,
-            prefix_cache=not args.no_prefix_cache,
-            prefix_cache_max_tokens=args.prefix_cache_max_tokens,
-            threads=args.threads,
-            deterministic=args.deterministic,
-        ),
-    )
-    try:
-        _ = engine.model  # builds the chat template: a broken one fails here, before serving
-    except ValueError as e:  # ChatTemplateError
-        raise TallowError(f"{folder}: {e}") from e
-    options = ServerOptions(
-        api_key=args.api_key or None,
-        max_queued_requests=args.max_queued_requests,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        ui=not args.no_ui,
-        allowed_hosts=_comma_list(args.allowed_hosts),
-        allowed_origins=_comma_list(args.allowed_origins),
-        request_timeout=args.request_timeout,
-    )
-    name = args.served_model_name or _served_name(args.artifact, folder)
-    library = getattr(engine.runner, "library", None)  # which of the artifact's libraries
-    if library is not None:
-        print(f"library {library.file} ({library.target})", file=sys.stderr, flush=True)
-    return serve(engine, name, options, args.host, args.port)  # says "serving ..." once bound
-
-
-def _served_name(spec, folder: Path) -> str:
-    from tallow.cli.hub import served_name
-
-    return served_name(spec, folder)
-
-
-def _comma_list(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -523,12 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         "compile": _run_compile,
         "eval": run_eval,
         "generate": _run_generate,
-        "inspect": _run_inspect,
-        "serve": _run_serve,
+        "inspect": run_inspect,
+        "serve": run_serve,
         "verify": _run_verify,
         "push": _run_push,
     }
     try:
+        if args.command in ("generate", "serve"):
+            check_sampling_flags(args)
         return commands[args.command](args)
     except TallowError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -536,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tallow inspect ... | head`: the reader left; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

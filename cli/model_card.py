@@ -65,8 +65,8 @@ def render_model_card(manifest: Manifest, repo: str, sizes: dict[str, int]) -> s
         "",
         f"# {repo.split('/', 1)[1]}",
         "",
-        f"An ahead-of-time compiled [tallow](https://pypi.org/project/tallow/) artifact of "
-        f"{source}: the weights, the tokenizer and a library per target, built with Apache TVM.",
+        f"An ahead-of-time compiled tallow artifact of {source}: the weights, the tokenizer "
+        "and a library per target, built with Apache TVM.",
         "",
         "| | |",
         "|---|---|",
@@ -80,8 +80,12 @@ def render_model_card(manifest: Manifest, repo: str, sizes: dict[str, int]) -> s
         "",
         "## Use",
         "",
+        f"Serve it with tallow {manifest.tallow_version} or newer. tallow is not on PyPI (a "
+        "package named `tallow` there is not this project): install it from a clone of its "
+        "source (`pip install .`), or from the wheel `python -m build --wheel` builds there "
+        f"(`pip install tallow-{manifest.tallow_version}-py3-none-any.whl`).",
+        "",
         "```",
-        "pip install tallow",
         f"tallow serve hf://{repo}      # downloads the weights and only the library it runs",
         f'tallow generate hf://{repo} --prompt "Hello"',
         f"tallow verify hf://{repo}     # hashes every file against manifest.yaml",

@@ -10,20 +10,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tallow.model_defs.config import ROPE_FREQ_FACTORS_KEY
-from tallow.model_defs.registry import (
-    Architecture,
-    UnknownArchitectureError,
-    get_gguf_architecture,
-)
 from tallow.runtime.errors import ModelSourceError
 from tallow.runtime.manifest import TokenizerInfo
+from tallow.runtime.sampling_defaults import SamplingDefaults, from_gguf
 
 from .source import ModelSource, slug
 from .tokenizer_files import CHAT_TEMPLATE_FILE
+
+if TYPE_CHECKING:
+    from tallow.model_defs.registry import Architecture
 
 QUANT_SUFFIX_RE = re.compile(r"[.-](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -158,6 +158,11 @@ class GGUFModelSource(ModelSource):
     def weight_map(self, architecture, config) -> dict[str, list[str]]:
         return architecture.gguf_weight_map(config)
 
+    def sampling_defaults(self) -> SamplingDefaults | None:
+        """The `general.sampling.*` keys llama.cpp's converter copies from the model's
+        generation_config.json; None when the file has none."""
+        return from_gguf(lambda key: _field(self.readers[0], key))
+
     def write_tokenizer(self, out: Path) -> TokenizerInfo:
         from .gguf_tokenizer import tokenizer_from_gguf
 
@@ -250,16 +255,14 @@ def _rope_config(reader, prefix: str, cfg: dict) -> None:
         cfg["rope_scaling"] = longrope
 
 
-def gguf_source(spec: str, path: Path) -> GGUFModelSource:
+def check_gguf_file(path: Path) -> list:
+    """What can be checked of a GGUF without the model definitions (and so without TVM):
+    every shard of a split set present, each a readable GGUF, an architecture named, every
+    tensor of a type tallow reads. Returns the readers."""
     files = split_files(path)
     readers = [_open_reader(f) for f in files]
-    arch_name = _field(readers[0], "general.architecture")
-    if arch_name is None:
+    if _field(readers[0], "general.architecture") is None:
         raise ModelSourceError(f"{path}: GGUF metadata has no general.architecture")
-    try:
-        arch = get_gguf_architecture(str(arch_name))
-    except UnknownArchitectureError as e:
-        raise ModelSourceError(f"{path}: {e}") from e
     supported = supported_types()
     for r in readers:
         for t in r.tensors:
@@ -268,6 +271,19 @@ def gguf_source(spec: str, path: Path) -> GGUFModelSource:
                     f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}, which tallow "
                     f"cannot read; supported: {', '.join(sorted(s.name for s in supported))}"
                 )
+    return readers
+
+
+def gguf_source(spec: str, path: Path) -> GGUFModelSource:
+    from tallow.model_defs.registry import UnknownArchitectureError, get_gguf_architecture
+
+    files = split_files(path)
+    readers = check_gguf_file(path)
+    arch_name = _field(readers[0], "general.architecture")
+    try:
+        arch = get_gguf_architecture(str(arch_name))
+    except UnknownArchitectureError as e:
+        raise ModelSourceError(f"{path}: {e}") from e
     names = {t.name for r in readers for t in r.tensors}
     config = gguf_config(readers[0], arch, names)
     return GGUFModelSource(

@@ -22,20 +22,9 @@ from .target import resolve_target
 def resolve_targets(options) -> list[TargetSpec]:
     """One `TargetSpec` per library `options` asks for: each `--target`, and for the CPU one
     per `--cpu` level (`-sm` gathers every arch into one CUDA library)."""
-    names = [options.target] if isinstance(options.target, str) else list(options.target)
-    if not names:
-        names = ["cpu"]
-    if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})
-        raise TargetError(
-            f"--target {', '.join(twice)} given twice; repeat -sm or --cpu for more variants"
-        )
+    names = check_target_options(options)
     levels = list(options.cpu or [])
-    if levels and not any(_takes_cpu_level(n) for n in names):
-        raise TargetError("--cpu applies to --target cpu only")
     sms = options.sms
-    if sms and not any(_takes_sms(n) for n in names):
-        raise TargetError("--sm applies to --target cuda only")
     # No --dtype: the natural dtype is chosen once the source is read (`phases.read_model`
     # checks it against every target then); a spec does not depend on it, and every
     # target accepts f32.
@@ -48,6 +37,24 @@ def resolve_targets(options) -> list[TargetSpec]:
     if len(set(files)) != len(files):
         raise TargetError(f"two targets build the same library: {', '.join(files)}")
     return specs
+
+
+def check_target_options(options) -> list[str]:
+    """The target names (default cpu), after the checks that need no TVM: no target twice,
+    `--cpu` and `--sm` only with a target that takes them."""
+    names = [options.target] if isinstance(options.target, str) else list(options.target)
+    if not names:
+        names = ["cpu"]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise TargetError(
+            f"--target {', '.join(twice)} given twice; repeat -sm or --cpu for more variants"
+        )
+    if options.cpu and not any(_takes_cpu_level(n) for n in names):
+        raise TargetError("--cpu applies to --target cpu only")
+    if options.sms and not any(_takes_sms(n) for n in names):
+        raise TargetError("--sm applies to --target cuda only")
+    return names
 
 
 def _takes_cpu_level(name: str) -> bool:

@@ -241,9 +241,11 @@ def convert_weights(state: CompileState) -> str:
 
 def copy_tokenizer(state: CompileState) -> str:
     state.tokenizer_info = tokenizer_files.write(state.source, state.config, state.work_dir)
+    state.sampling_defaults = tokenizer_files.sampling_defaults(state.source)
     info = state.tokenizer_info
     template = "with chat template" if info.chat_template else "no chat template"
-    return f"{', '.join(info.files)} ({template})"
+    sampling = state.sampling_defaults.describe()
+    return f"{', '.join(info.files)} ({template}); sampling defaults: {sampling}"
 
 
 def write_manifest(state: CompileState) -> str:
@@ -282,6 +284,7 @@ def write_manifest(state: CompileState) -> str:
         checksums=_artifact_checksums(state),
         weight_sets=state.other_param_infos,
         dtype_source=state.dtype_source,
+        sampling_defaults=state.sampling_defaults,
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"

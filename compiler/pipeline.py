@@ -81,6 +81,7 @@ class CompileState:
     final_dir: Path | None = None
     param_infos: list = field(default_factory=list)
     tokenizer_info: Any = None
+    sampling_defaults: Any = None  # runtime.sampling_defaults.SamplingDefaults
     functions: list[str] = field(default_factory=list)
     embedding: Any = None  # runtime.manifest.EmbeddingInfo
     targets: list = field(default_factory=list)  # every TargetSpec, in build order
@@ -136,8 +137,9 @@ def compile_model(options: CompileOptions) -> Path:
     """Run every phase; return the artifact folder."""
     from .libraries import resolve_targets
 
+    check_options(options)  # before anything imports TVM (4 s, 10-20 s on a busy machine)
     state = CompileState(options=options, progress=Progress(quiet=options.quiet))
-    state.targets = resolve_targets(options)
+    state.targets = resolve_targets(options)  # --cpu native asks TVM's LLVM for the CPU
     phases = _phases(state.targets)
     made = _missing_parents(options.output)
     try:
@@ -199,6 +201,24 @@ def disk_full_as_error(destination: Path, step: str) -> Iterator[None]:
             f"disk full: no space left on the device holding {destination} "
             f"({step}: {reason}); nothing was written: free some space there and compile again"
         ) from e
+
+
+def check_options(options: CompileOptions) -> None:
+    """The checks that need neither TVM nor the network, so a mistyped option or model path
+    is reported in a second, not after TVM has loaded."""
+    from .kv_layout import check_page_size, choose_kv_dtype
+    from .libraries import check_target_options
+    from .quant_plan import check_quant_name
+    from .source import check_source
+
+    check_target_options(options)
+    check_quant_name(options.quant)
+    check_page_size(options.page_size)
+    if options.kv_dtype is not None:
+        choose_kv_dtype(options.kv_dtype, "f32", backends=[])  # the name; targets come later
+    if options.context_window is not None and options.context_window < 1:
+        raise TallowError(f"--context-window must be at least 1 (got {options.context_window})")
+    check_source(options.model, options.gguf_file)
 
 
 def make_work_dir(state: CompileState, name: str) -> None:

@@ -126,9 +126,14 @@ def quant_choices() -> tuple[str, ...]:
     return (*FLOAT_FORMATS, *mix_names())
 
 
-def check_quant_option(quant: str | None, dtype: str) -> None:
+def check_quant_name(quant: str | None) -> None:
+    """`--quant` names a float format or a mix (checked before anything slow is loaded)."""
     if quant is not None and quant not in FLOAT_FORMATS and find_mix(quant) is None:
         raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(quant_choices())}")
+
+
+def check_quant_option(quant: str | None, dtype: str) -> None:
+    check_quant_name(quant)
     if quant in FLOAT_FORMATS and quant != dtype:
         raise TargetError(
             f"--quant {quant} with --dtype {dtype}: float weights use the compute dtype; "

@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tallow.runtime.errors import ModelSourceError
 
@@ -38,6 +39,9 @@ class ModelSource:
     tokenizer_files: list[Path] = field(default_factory=list)
     gguf_file: Path | None = None
     hub_id: str | None = None
+    # Sampling defaults known for this exact model when its files carry none (the embedded
+    # default model's card); None: read them from the files (`tokenizer_files`).
+    known_sampling: Any = None
 
     @property
     def name(self) -> str:
@@ -98,30 +102,63 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 def resolve_source(spec: str, gguf_file: str | None = None) -> ModelSource:
-    if spec == "default":
-        from .default_model import default_model_path
+    """The model `--model SPEC [--file NAME.gguf]` names, opened (downloaded for a hub id)."""
+    source = _resolve(spec, gguf_file, probe=False)
+    assert source is not None
+    return source
 
-        spec = str(default_model_path())
+
+def check_source(spec: str, gguf_file: str | None = None) -> None:
+    """Refuse what `resolve_source` would refuse, as far as that needs neither TVM nor the
+    network (the model definitions import TVM, about 4-10 s): a missing path, a text file, a
+    pickle, a folder without config.json, safetensors or tokenizer, an unreadable or
+    incomplete GGUF set. A hub id is only checked for its form. `tallow compile` runs this
+    first, so a typo is reported at once."""
+    _resolve(spec, gguf_file, probe=True)
+
+
+def _resolve(spec: str, gguf_file: str | None, probe: bool) -> ModelSource | None:
+    """`resolve_source`'s decisions; `probe`: check without TVM or the network, open nothing
+    (returns None for a GGUF or a hub id)."""
+    if spec == "default":
+        from .default_model import MODEL_CARD_SAMPLING, default_model_path
+
+        source = _resolve(str(default_model_path(check_hash=not probe)), None, probe)
+        if source is not None:
+            source.known_sampling = MODEL_CARD_SAMPLING
+        return source
     path = Path(spec).expanduser()
     if gguf_file is not None:
-        return _named_gguf(spec, path, gguf_file)
+        return _named_gguf(spec, path, gguf_file, probe)
     if path.is_file():
         if path.suffix == ".gguf":
-            from .gguf_source import gguf_source
-
-            return gguf_source(spec, path)
+            return _open_gguf(spec, path, probe)
         if path.suffix in PICKLE_SUFFIXES:
             raise _pickle_error(path)
-        raise ModelSourceError(f"{path}: expected a model folder or a .gguf file")
+        raise ModelSourceError(
+            f"{path}: a file that is not a .gguf; --model takes a model folder (config.json, "
+            "safetensors, tokenizer.json), a .gguf file, a hub id (org/name) or 'default'"
+        )
     if not path.exists():
         if _looks_like_hub_id(spec) and not spec.startswith(("/", "~")):
-            source = _folder_source(spec, _download_from_hub(spec))
+            if probe:
+                return None
+            source = _folder_source(spec, _download_from_hub(spec), probe)
             source.hub_id = spec
             return source
         if _looks_like_bare_name(spec):
-            return resolve_source(_cached_repo_for(spec), gguf_file)
+            return _resolve(_cached_repo_for(spec), gguf_file, probe)
         raise ModelSourceError(f"model not found: {spec} (no such folder or file)")
-    return _folder_source(spec, path)
+    return _folder_source(spec, path, probe)
+
+
+def _open_gguf(spec: str, path: Path, probe: bool):
+    from .gguf_source import check_gguf_file, gguf_source
+
+    if probe:
+        check_gguf_file(path)
+        return None
+    return gguf_source(spec, path)
 
 
 def _looks_like_bare_name(spec: str) -> bool:
@@ -169,17 +206,17 @@ def _guess_org(name: str) -> str:
     return next((org for prefix, org in _KNOWN_ORGS.items() if low.startswith(prefix)), "ORG")
 
 
-def _named_gguf(spec: str, path: Path, gguf_file: str) -> ModelSource:
+def _named_gguf(spec: str, path: Path, gguf_file: str, probe: bool) -> ModelSource | None:
     """`--model FOLDER_OR_HUB_ID --file NAME.gguf`."""
-    from .gguf_source import gguf_source
-
     if path.is_dir():
         target = path / gguf_file
         if not target.is_file():
             raise ModelSourceError(f"{target}: no such GGUF file")
-        return gguf_source(spec, target)
+        return _open_gguf(spec, target, probe)
     if not _looks_like_hub_id(spec):
         raise ModelSourceError(f"--file needs a folder or a hub id; {spec} is neither")
+    if probe:
+        return None
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -191,7 +228,7 @@ def _named_gguf(spec: str, path: Path, gguf_file: str) -> ModelSource:
         ) from e
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ModelSourceError(f"cannot fetch {spec}/{gguf_file}: {e}") from e
-    return gguf_source(spec, local)
+    return _open_gguf(spec, local, probe)
 
 
 def _pickle_error(path: Path) -> ModelSourceError:
@@ -201,18 +238,18 @@ def _pickle_error(path: Path) -> ModelSourceError:
     )
 
 
-def _folder_source(spec: str, folder: Path) -> ModelSource:
+def _folder_source(spec: str, folder: Path, probe: bool = False) -> ModelSource | None:
     ggufs = sorted(folder.glob("*.gguf"))
     config_path = folder / "config.json"
     if ggufs and not config_path.is_file():
-        from .gguf_source import SPLIT_RE, gguf_source
+        from .gguf_source import SPLIT_RE
 
         models = sorted({SPLIT_RE.sub(r"\g<stem>", p.name) for p in ggufs})
         if len(models) > 1:
             raise ModelSourceError(
                 f"{folder} holds several GGUF models ({', '.join(models)}); choose one with --file"
             )
-        return gguf_source(spec, ggufs[0])
+        return _open_gguf(spec, ggufs[0], probe)
     if not config_path.is_file():
         raise ModelSourceError(f"{folder}: no config.json (not a Hugging Face model folder)")
     try:

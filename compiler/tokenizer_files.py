@@ -1,4 +1,5 @@
-"""The tokenizer and chat template that go into the artifact, and their special tokens."""
+"""The tokenizer and chat template that go into the artifact, their special tokens, and the
+model's sampling defaults (from the same generation_config.json that names its EOS ids)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tallow.runtime import sampling_defaults as defaults
 from tallow.runtime.manifest import TokenizerInfo
+from tallow.runtime.sampling_defaults import SamplingDefaults
 
 from .source import ModelSource
 
@@ -80,3 +83,20 @@ def write(source: ModelSource, config: Any, out: Path) -> TokenizerInfo:
         bos_token=bos,
         eos_token=eos,
     )
+
+
+def sampling_defaults(source: ModelSource) -> SamplingDefaults:
+    """The source's sampling defaults: a folder's generation_config.json, a GGUF's
+    general.sampling keys, else what is known of the model, else tallow's fallback
+    (`runtime/sampling_defaults.py`)."""
+    if source.kind == "gguf":
+        found = source.sampling_defaults()
+    else:
+        try:
+            gen_cfg = _read_json(source.folder / "generation_config.json")
+        except ValueError as e:
+            raise defaults.SamplingDefaultsError(
+                f"{source.folder / 'generation_config.json'}: not valid JSON ({e})"
+            ) from e
+        found = defaults.from_generation_config(gen_cfg)
+    return defaults.model_defaults(found or source.known_sampling)

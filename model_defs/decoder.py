@@ -23,6 +23,7 @@ from .config import DecoderConfig
 from .kv_cast import CastingKVCache
 from .moe import MoEMLP
 from .parts import (
+    Embedding,
     activation,
     annotate_attention_kernels,
     check_attention_support,
@@ -30,6 +31,7 @@ from .parts import (
     make_norm,
     rope_in_graph,
     softcap,
+    take_clamped,
 )
 from .projections import fused_linear
 from .quant_ops import QuantEmbedding, QuantLinear, quant_matmul
@@ -205,7 +207,7 @@ class DecoderBody(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         embed_q = quant.get("model.embed_tokens.weight", "none")
         if embed_q == "none":
-            self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+            self.embed_tokens = Embedding(vocab, hidden, dtype=dtype)
         else:
             self.embed_tokens = QuantEmbedding(vocab, hidden, embed_q, out_dtype=dtype)
         self.layers = nn.ModuleList(
@@ -294,7 +296,7 @@ class DecoderLM(nn.Module):
 
     def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache):
         hidden = self.model(input_embeds, kv_cache)
-        hidden = op.take(hidden, logit_positions, axis=1)
+        hidden = take_clamped(hidden, logit_positions, axis=1)
         return self._logits(hidden), kv_cache
 
     def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):

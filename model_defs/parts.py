@@ -167,3 +167,23 @@ def embed_scale_value(hidden: int) -> float:
     import numpy as np
 
     return float(np.float32(math.sqrt(hidden)))
+
+
+def take_clamped(x: Tensor, indices: Tensor, axis: int, name: str = "take") -> Tensor:
+    """`op.take` with out-of-range indices clamped ("clip") instead of TVM's default "fast",
+    which reads past the tensor on a bad index and warns "Fast mode segfaults when there are
+    out-of-bounds indices" at every compile. The clamp is a min/max on each index."""
+    from tvm.relax.frontend.nn.core import wrap_nested
+
+    return wrap_nested(rx.op.take(x._expr, indices._expr, axis, mode="clip"), name)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (same parameter), looking rows up with `take_clamped`: a token id past
+    the vocabulary reads the last row rather than foreign memory."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim == 1:
+            return take_clamped(self.weight, x, axis=0)
+        flat = take_clamped(self.weight, op.reshape(x, shape=[-1]), axis=0)
+        return op.reshape(flat, shape=[*x.shape, self.weight.shape[1]])

@@ -33,7 +33,7 @@ class EngineOptions:
     memory_fraction: float | None = None  # GPU: of free device memory; CPU: of available RAM
     prefix_cache: bool = True
     prefix_cache_max_tokens: int = 8192
-    threads: int | None = None  # CPU kernel threads; None: every usable CPU
+    threads: int | None = None  # CPU kernel threads; None: every usable CPU but one
     # Batch-invariant outputs: a request's tokens and logprobs the same bits whatever runs
     # beside it (docs/cpu-kernels.md#deterministic-mode); no prefix cache.
     deterministic: bool = False
@@ -113,7 +113,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     runner.batch_invariant = options.deterministic
     if options.deterministic:
         _warn_if_not_batch_invariant(runner)
-    log.warning(
+    log.info(  # -v shows it; `tallow serve` says nothing unless something needs the user
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MB, %d bytes/token)",
         runner.num_pages,
         runner.page_size,

@@ -19,6 +19,7 @@ import yaml
 
 from .cpu_features import host_platform
 from .errors import ArtifactError
+from .sampling_defaults import FALLBACK, SamplingDefaults, SamplingDefaultsError
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: one library, migrated on read (`_from_v1`)
@@ -167,6 +168,10 @@ class Manifest:
     # Why `dtype`: "--dtype" ("--quant" for `--quant f16`), or the targets' natural dtype
     # ("natural for cuda (model torch_dtype bf16)"); artifacts from before say "--dtype".
     dtype_source: str = "--dtype"
+    # The model's sampling defaults (`sampling_defaults.py`): its generation_config.json or
+    # GGUF general.sampling keys, else tallow's fallback. Artifacts from before read as the
+    # fallback: their source's file was not kept.
+    sampling_defaults: SamplingDefaults = FALLBACK
 
     def params_for(self, library: LibraryInfo) -> list[ParamInfo]:
         """The parameters `library` takes, in its order."""
@@ -195,6 +200,11 @@ class Manifest:
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = Path(folder) / MANIFEST_NAME
+        if Path(folder).is_file():
+            raise ArtifactError(
+                f"{folder} is a file, not an artifact folder (the folder `tallow compile` "
+                f"writes, holding {MANIFEST_NAME})"
+            )
         if not Path(folder).is_dir():
             raise ArtifactError(f"artifact folder not found: {folder}")
         if not path.is_file():
@@ -235,9 +245,21 @@ class Manifest:
                     for name, params in (raw.get("weight_sets") or {}).items()
                 },
                 dtype_source=raw.get("dtype_source", "--dtype"),
+                sampling_defaults=_sampling_defaults(path, raw.get("sampling_defaults")),
             )
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e
+
+
+def _sampling_defaults(path: Path, raw: Any) -> SamplingDefaults:
+    if raw is None:
+        return FALLBACK
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{path}: sampling_defaults must be a mapping of sampling fields")
+    try:
+        return SamplingDefaults.from_dict(raw)
+    except SamplingDefaultsError as e:
+        raise ArtifactError(f"{path}: {e}") from e
 
 
 def _checksums(path: Path, raw: Any) -> dict[str, dict[str, Any]] | None:

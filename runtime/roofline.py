@@ -15,6 +15,7 @@ Runtime-only: reads the manifest, imports nothing from TVM or the compiler.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .errors import ArtifactError
@@ -56,10 +57,26 @@ GPUS = {
 _ITEMSIZE = {**DTYPE_BYTES, "uint8": 1, "int8": 1, "int32": 4}  # GGUF blocks are uint8
 
 
+def _words(name: str) -> list[str]:
+    """A GPU name as lower-case words, letters and digits apart: "H100-SXM", "h100 sxm" and
+    "NVIDIA H100 SXM" alike; "A100 80GB" and "A100-80G" alike."""
+    words = re.findall(r"[a-z]+|\d+", name.lower())
+    return [w for w in words if w not in ("nvidia", "geforce", "apple", "gb", "g")]
+
+
 def gpu_spec(name: str) -> GPUSpec:
+    """The GPU `name` means: the one whose name it spells (spaces, dashes and case aside), or
+    else the only one whose name holds all its words ("H100" is the H100 SXM, "4090" the RTX
+    4090); several candidates or none is an error naming them."""
+    asked = _words(name)
     for key, spec in GPUS.items():
-        if key.lower().replace(" ", "") == name.lower().replace(" ", "").replace("-", ""):
+        if _words(key) == asked:
             return spec
+    found = [key for key in GPUS if asked and set(asked) <= set(_words(key))]
+    if len(found) == 1:
+        return GPUS[found[0]]
+    if found:
+        raise ArtifactError(f"GPU {name!r} could be {' or '.join(found)}; name one")
     raise ArtifactError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
 
 

@@ -27,6 +27,7 @@ from .artifact import TokenizerBundle
 from .chat_template import ChatTemplate, ChatTemplateError
 from .constraint import GrammarTokenizer, check_grammar, grammar_tokenizer
 from .request import ContextLengthExceededError
+from .sampling_defaults import NEUTRAL, SamplingDefaults
 
 __all__ = [
     "ChatTemplateError",
@@ -62,6 +63,10 @@ class ServedModel:
     context_window: int  # most tokens (prompt + output) per sequence
     eos_token_ids: frozenset[int]
     chat_template: ChatTemplate | None = None
+    # Values for the sampling fields a request leaves unset: the manifest's record of the
+    # model's own (`sampling_defaults.py`); a runner without a manifest (the tests' fake)
+    # gets OpenAI's neutral ones. `tallow serve` flags may replace them.
+    sampling_defaults: SamplingDefaults = NEUTRAL
 
     @classmethod
     def from_runner(
@@ -95,6 +100,7 @@ class ServedModel:
             context_window=int(runner.context_window),
             eos_token_ids=frozenset(int(t) for t in eos_token_ids),
             chat_template=template,
+            sampling_defaults=manifest.sampling_defaults if manifest is not None else NEUTRAL,
         )
 
     # -- prompts -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Only `tallow.runtime` is imported: the server runs where the compiler (and relax
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,9 +42,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(engine: Any, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine`'s model as `model_name`; uvicorn runs it (see `launch`)."""
     options = options or ServerOptions()
+    model = engine.model
+    if options.sampling_defaults is not None:
+        model = dataclasses.replace(model, sampling_defaults=options.sampling_defaults)
     context = ServerContext(
         engine=engine,
-        model=engine.model,
+        model=model,
         model_name=model_name,
         options=options,
         state=ServerState(),

@@ -37,6 +37,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
+from tallow.runtime.sampling_defaults import SamplingDefaults
 from tallow.runtime.served_model import ServedModel
 
 from .errors import APIError, bad_request, from_validation_error
@@ -70,6 +71,9 @@ class ServerOptions:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     ui: bool = True  # the chat page at / (routes/ui.py)
+    # Defaults for the sampling fields a request leaves unset, in place of the model's own
+    # (`tallow serve --sampling-defaults`, `--temperature`, ...); None: the model's.
+    sampling_defaults: SamplingDefaults | None = None
 
 
 @dataclass

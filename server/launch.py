@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -166,10 +167,18 @@ def make_server(app: FastAPI, host: str, port: int, options: ServerOptions) -> D
     return DrainingServer(config, app, options.shutdown_timeout)
 
 
-def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port: int) -> int:
+def serve(
+    engine: Any,
+    model_name: str,
+    options: ServerOptions,
+    host: str,
+    port: int,
+    listener: socket.socket | None = None,
+) -> int:
     """Serve until a signal; the exit status: 0 after a complete drain, 1 when requests had
     to be cut off at the shutdown timeout. Once listening it prints `serving NAME on URL` to
-    stderr, with the port it got (port 0: a free one the kernel picks)."""
+    stderr, with the port it got (port 0: a free one the kernel picks). `listener`: the
+    socket `bind_listener` bound for `host`:`port` (else uvicorn binds it)."""
     options = dataclasses.replace(options, host=host)  # the Host check allows the bind address
     app = create_app(engine, model_name, options)
     server = make_server(app, host, port, options)
@@ -178,5 +187,5 @@ def serve(engine: Any, model_name: str, options: ServerOptions, host: str, port:
         print(f"serving {model_name} on http://{host}:{bound}", file=sys.stderr, flush=True)
 
     server.announce = announce
-    server.run()
+    server.run(sockets=[listener] if listener is not None else None)
     return 1 if server.drain_timed_out else 0

@@ -225,8 +225,16 @@ def sampling_params(
         bias[tid] = value
     if req.stop_token_ids:
         check_token_ids(model, req.stop_token_ids, "stop_token_ids")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    top_k = req.top_k or 0
+    # A field the request leaves unset takes the model's default (its generation_config.json,
+    # recorded in the manifest, or what `tallow serve` was told), else the neutral value.
+    defaults = model.sampling_defaults
+
+    def field(name: str) -> Any:
+        value = getattr(req, name)
+        return defaults.value(name) if value is None else value
+
+    top_p = field("top_p")
+    top_k = field("top_k")
     if top_k >= model.vocab_size:
         top_k = 0  # keeps the whole vocabulary: no cut
     if top_p == 0.0:
@@ -235,11 +243,11 @@ def sampling_params(
         top_p, top_k = 1.0, 1
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=field("temperature"),
         top_p=top_p,
         top_k=top_k,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=field("min_p"),
+        repetition_penalty=field("repetition_penalty"),
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         logit_bias=bias,

@@ -193,8 +193,9 @@ def responses_inputs(
     return prompts, params, output
 
 
-def echoed_settings(req: ResponseCreateRequest) -> dict[str, Any]:
-    """The request's settings as a response repeats them."""
+def echoed_settings(req: ResponseCreateRequest, model: ServedModel) -> dict[str, Any]:
+    """The request's settings as a response repeats them (unset sampling fields: the values
+    used, the model's defaults)."""
     choice: str | dict[str, Any] = "auto"
     if isinstance(req.tool_choice, str):
         choice = req.tool_choice
@@ -210,12 +211,16 @@ def echoed_settings(req: ResponseCreateRequest) -> dict[str, Any]:
         "metadata": dict(req.metadata or {}),
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "reasoning": reasoning,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": (
+            model.sampling_defaults.value("temperature")
+            if req.temperature is None
+            else req.temperature
+        ),
         "text": {
             "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
         },
         "tool_choice": choice,
         "tools": [t.model_dump() for t in req.tools or []],
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": model.sampling_defaults.value("top_p") if req.top_p is None else req.top_p,
         "user": req.user,
     }

@@ -66,7 +66,6 @@ def tallow_commands(workflow: dict) -> list[list[str]]:
                 continue
             line = re.sub(r"\$\{\{[^}]*\}\}", "x", line)
             line = line.replace("$DESTINATION", "hf://org/x-tallow").replace("$DRY_RUN", "")
-            line = line.replace("${TALLOW_VERSION}", "0.1.0")
             commands.append(shlex.split(line)[1:])
     return commands
 
@@ -80,3 +79,30 @@ def test_every_tallow_command_in_it_parses():
         parser.parse_args(argv)  # exits (fails the test) on an unknown option
     compile_all = [a for argv in commands if argv[0] == "compile" for a in argv]
     assert {"cuda", "metal", "cpu", "x86-64-v3", "--add-target"} <= set(compile_all)
+
+
+def test_tallow_comes_from_the_wheel_the_workflow_builds():
+    """tallow is not on PyPI (issue 35): no step asks an index for it; the compile job
+    installs the wheel that the `wheel` job builds with `python -m build` and uploads."""
+    workflow = load_workflow()
+    wheel, compile_job = workflow["jobs"]["wheel"], workflow["jobs"]["compile"]
+    assert compile_job["needs"] == "wheel"
+    scripts = [
+        step.get("run", "").replace("\\\n", " ")
+        for job in (wheel, compile_job)
+        for step in job["steps"]
+    ]
+    for script in scripts:
+        for line in script.splitlines():
+            words = [w.strip("\"'") for w in line.split()]
+            if "pip" in words and "install" in words:
+                asked = [w for w in words[words.index("install") + 1 :] if not w.startswith("-")]
+                assert not any(w.split("=")[0] == "tallow" for w in asked), line
+    assert any("python -m build --wheel" in s for s in scripts)
+    uploads = [s["with"] for s in wheel["steps"] if "upload-artifact" in s.get("uses", "")]
+    downloads = [
+        s["with"] for s in compile_job["steps"] if "download-artifact" in s.get("uses", "")
+    ]
+    assert [u["name"] for u in uploads] == [d["name"] for d in downloads] == ["tallow-wheel"]
+    installed = next(s for s in scripts if "pip install dist/" in s)
+    assert f"{downloads[0]['path']}/tallow-" in installed and uploads[0]["path"].endswith(".whl")

@@ -30,7 +30,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def generate(capsys, art, *args: str) -> tuple[str, str]:
-    code, out, err = run(capsys, "generate", str(art), "--max-tokens", "12", "--ignore-eos", *args)
+    """Greedy unless `args` say otherwise (a later flag wins)."""
+    base = ("generate", str(art), "--max-tokens", "12", "--ignore-eos", "--temperature", "0")
+    code, out, err = run(capsys, *base, *args)
     assert code == 0, err
     return out, err
 
@@ -39,13 +41,30 @@ def prompt_tokens(err: str) -> int:
     return int(re.search(r"prompt (\d+) tokens", err).group(1))
 
 
-def test_inspect_prints_the_manifest(capsys, art):
-    code, out, err = run(capsys, "inspect", str(art))
+def test_inspect_full_prints_the_manifest(capsys, art):
+    code, out, err = run(capsys, "inspect", str(art), "--full")
     assert code == 0, err
     printed = yaml.safe_load(out)
     assert printed == yaml.safe_load((art / "manifest.yaml").read_text())
     assert printed["model"]["architecture"] == "Qwen3ForCausalLM"
     assert printed["kv_cache"]["page_size"] == 16 and printed["libraries"][0]["device"] == "cpu"
+
+
+def test_inspect_summarises(capsys, art):
+    """A dozen lines with the facts a user looks for, each checked against the manifest's
+    YAML (issue 35: inspect printed the whole manifest, ~1,350 lines for SmolLM2)."""
+    code, out, err = run(capsys, "inspect", str(art))
+    assert code == 0, err
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    lines = out.splitlines()
+    assert len(lines) <= 16
+    field = {line.split(":", 1)[0]: line.split(":", 1)[1] for line in lines if ":" in line}
+    assert m["model"]["name"] in field["model"] and m["model"]["architecture"] in field["model"]
+    assert field["weights"].startswith(f" {m['quantization']}, {len(m['params'])} tensors")
+    assert f"context window {m['kv_cache']['context_window']} tokens" in field["KV cache"]
+    for lib in m["libraries"]:
+        assert f"  {lib['file']}: {lib['target']} ({lib['platform']})" in lines
+    assert "--full" in lines[-1]
 
 
 def test_compile_name_context_window_and_overwrite(capsys, tiny_model_dir, tmp_path):
@@ -109,3 +128,38 @@ def test_generate_seed_and_top_k(capsys, art):
     for seed in ("1", "2"):
         k1, _ = generate(capsys, art, *sample, "--seed", seed, "--top-k", "1")
         assert k1 == greedy
+
+
+def test_generate_applies_the_manifests_sampling_defaults(capsys, art, tmp_path):
+    import dataclasses
+    import shutil
+
+    from tallow.runtime.manifest import Manifest
+    from tallow.runtime.sampling_defaults import SamplingDefaults
+
+    greedy, _ = generate(capsys, art, "--prompt", PROMPT)
+    mine = tmp_path / "art"
+    shutil.copytree(art, mine)
+    manifest = Manifest.read(mine)
+    said = SamplingDefaults(temperature=0.0, source="test")
+    dataclasses.replace(manifest, sampling_defaults=said).write(mine)
+
+    def plain(*args: str) -> str:  # no --temperature unless given
+        code, out, err = run(capsys, "generate", str(mine), "--max-tokens", "12", *args)
+        assert code == 0, err
+        return out
+
+    assert plain("--prompt", PROMPT, "--ignore-eos") == greedy  # the model's temperature 0
+    # OpenAI's temperature 1 instead: sampled (one of two seeds differs from greedy).
+    openai = ("--prompt", PROMPT, "--ignore-eos", "--sampling-defaults", "openai")
+    assert any(plain(*openai, "--seed", s) != greedy for s in ("1", "2"))
+
+
+def test_a_text_file_as_the_artifact_is_named_as_such(capsys, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    code, _, err = run(capsys, "generate", str(notes), "--prompt", "x")
+    assert code == 2 and err == (
+        f"error: {notes} is a file, not an artifact folder (the folder `tallow compile` "
+        "writes, holding manifest.yaml)\n"
+    )

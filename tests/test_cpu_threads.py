@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from tallow.runtime.cpu_threads import configure_cpu_threads, usable_cpus
+from tallow.runtime.cpu_threads import configure_cpu_threads
 from tallow.runtime.errors import TallowError
 
 
-def _pool_size(art, threads: int | None, env: dict) -> int:
+def _pool_size(art, threads: int | None, env: dict, affinity: set[int] | None = None) -> int:
     script = f"""
 import json, tvm
 from tallow.runtime.model_runner import TVMModelRunner
@@ -33,14 +33,19 @@ print(json.dumps(tvm.runtime.num_threads()))
         text=True,
         env={**clean, **env},
         timeout=300,
+        preexec_fn=None if affinity is None else lambda: os.sched_setaffinity(0, affinity),
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_pool_uses_every_usable_cpu_by_default(tiny_artifact):
+def test_pool_leaves_one_cpu_free_by_default(tiny_artifact):
+    """Every usable CPU but one (a pinned, spinning pool collapses when a neighbour takes a
+    core: runtime/cpu_threads.py), and one on a single CPU."""
     art = tiny_artifact("qwen3", "f32")
-    assert _pool_size(art, None, {}) == usable_cpus()
+    cpus = len(os.sched_getaffinity(0))
+    assert _pool_size(art, None, {}) == max(1, cpus - 1)
+    assert _pool_size(art, None, {}, affinity={min(os.sched_getaffinity(0))}) == 1
 
 
 def test_threads_option_and_user_environment_win(tiny_artifact):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -55,7 +54,6 @@ def test_drain_past_the_timeout_ends_streams_with_an_error(procs):
         lines = r.iter_lines()
         first = next(lines)
         assert first.startswith("data: {")
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         # The listener is still open: /health fails, new requests get the documented 503.
         wait_until_draining(base)
@@ -63,7 +61,8 @@ def test_drain_past_the_timeout_ends_streams_with_an_error(procs):
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
         rest = [ln for ln in lines if ln]
-    assert time.monotonic() - t0 < 10
+    # Cut at the timeout, not run to its 2,500 tokens: the stream ends in the shutdown error
+    # (no wall-clock bound: a loaded machine may stall the test itself for seconds).
     assert rest[-1] == "data: [DONE]"
     err = json.loads(rest[-2].removeprefix("data: "))
     assert err["error"]["code"] == "shutting_down" and err["error"]["type"] == "server_error"
@@ -85,10 +84,10 @@ def test_drain_that_completes_exits_zero(procs):
 
 
 def test_idle_server_exits_at_once(procs):
-    server = start(shutdown_timeout=20, delay=0.0)
+    # A shutdown timeout far above the bound: a server that waited for it fails, while a
+    # loaded machine's seconds of delay do not.
+    server = start(shutdown_timeout=300, delay=0.0)
     procs.append(server)
     proc = server.proc
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 0
-    assert time.monotonic() - t0 < 8
+    assert proc.wait(120) == 0  # one that waited for its 300 s timeout times out here

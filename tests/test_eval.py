@@ -150,6 +150,21 @@ def test_cli_summary_and_json(capsys, f32, q4_0, text_file):
     assert main([*argv, "--json"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert alone["perplexity"] == figures["perplexity"] and alone["kl_mean"] is None
+    assert figures["same_weights"] is False and "same weights" not in err
+
+
+@pytest.mark.slow
+def test_cli_says_when_the_reference_has_the_same_weights(capsys, f32, text_file, tmp_path):
+    """A copy of the artifact as its own reference: KL 0, and a note saying why (issue 35)."""
+    import shutil
+
+    copy = shutil.copytree(f32, tmp_path / "copy")
+    argv = ["eval", str(f32), "--text", str(text_file), "--context", str(CONTEXT)]
+    assert main([*argv, "--reference", str(copy), "--json"]) == 0
+    out, err = capsys.readouterr()
+    figures = json.loads(out)
+    assert figures["kl_mean"] == 0.0 and figures["same_weights"] is True
+    assert f"note: {copy} has the very same weights as {f32}" in err
 
 
 @pytest.mark.slow

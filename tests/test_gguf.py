@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from gguf_models import llama3_rope_freqs, write_gguf
 from test_parity import run_parity, runner_for
 
@@ -175,6 +176,10 @@ def test_default_model_compiles_and_answers(tmp_path, capsys):
     argv = ["generate", str(art), "--chat", "--prompt", "What is the capital of Germany?"]
     assert main([*argv, "--max-tokens", "12"]) == 0
     assert "Berlin" in capsys.readouterr().out
+    # The GGUF has no sampling keys: the manifest records the model card's values, which
+    # `generate` (and the server) use when no flag says otherwise.
+    defaults = yaml.safe_load((art / "manifest.yaml").read_text())["sampling_defaults"]
+    assert (defaults["temperature"], defaults["top_p"]) == (0.2, 0.9)
 
 
 def test_default_model_hash_is_checked(monkeypatch, tmp_path, capsys, smollm2_gguf):  # noqa: F811

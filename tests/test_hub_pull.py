@@ -92,11 +92,12 @@ def test_pull_fetches_only_what_this_machine_runs(published, hub_env, monkeypatc
     # Generating from the hub reference gives the local artifact's text.
     texts = []
     for spec in (str(art), f"hf://{REPO}"):
-        assert main(["generate", spec, "--prompt", "Hello", "--max-tokens", "8"]) == 0
+        argv = ["generate", spec, "--prompt", "Hello", "--max-tokens", "8", "--temperature", "0"]
+        assert main(argv) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
     # inspect reads the manifest only; verify wants every file, and names the one not pulled.
-    assert main(["inspect", f"hf://{REPO}"]) == 0
+    assert main(["inspect", f"hf://{REPO}", "--full"]) == 0
     libraries = yaml.safe_load(capsys.readouterr().out)["libraries"]
     assert [lib["file"] for lib in libraries] == [
         Manifest.read(art).libraries[0].file,

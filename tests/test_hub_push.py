@@ -4,6 +4,7 @@ commit it hands huggingface_hub (HfApi replaced by a recorder: no hub here)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def test_dry_run_lists_exactly_the_files_and_the_card(art, capsys, monkeypatch):
     assert files["README.md (generated model card)"] == len(card_text.rstrip("\n").encode()) + 1
     assert "not uploaded (the manifest does not record it): notes.txt" in err
     assert "hf://me/tiny-qwen3 (revision main, private)" in err
+    # Compiled with --cpu native (the tests' default): not a library to publish (docs/ci.md).
+    (lib,) = Manifest.read(art).libraries
+    assert f"warning: {lib.file} was compiled with --cpu native" in err
     # The card, read by huggingface_hub's own parser.
     m = Manifest.read(art)
     card = ModelCard(card_text)
@@ -81,6 +85,13 @@ def test_card_links_a_hub_source_model(art):
         f"| `{m.libraries[0].file}` | {m.libraries[0].target} (" in card.text
         and "| 2.0 MiB |" in card.text
     )
+    # It links only the source model, and installs tallow the ways that work (issue 35:
+    # `pip install tallow` named a PyPI package that is not this project).
+    assert set(re.findall(r"https?://[^\s)]+", card.text)) == {
+        "https://huggingface.co/Qwen/Qwen3-0.6B"
+    }
+    installs = re.findall(r"`pip install ([^`]+)`", card.text)
+    assert installs == [".", f"tallow-{m.tallow_version}-py3-none-any.whl"], installs
 
 
 def test_a_damaged_artifact_is_not_pushed(art, capsys):
@@ -132,3 +143,12 @@ def test_push_is_one_commit_of_the_listed_files(art, capsys, monkeypatch):
     with ops[Manifest.read(art).libraries[0].file].as_file() as f:
         assert f.read() == (art / Manifest.read(art).libraries[0].file).read_bytes()
     assert "tallow serve hf://me/tiny-qwen3@v1" in out and "pushed:" in err
+
+
+def test_a_named_cpu_level_is_not_warned_about(art):
+    from tallow.cli.hub import publishing_warnings
+
+    m = Manifest.read(art)
+    assert len(publishing_warnings(m)) == 1
+    m.libraries = [dataclasses.replace(lib, cpu_level="x86-64-v3") for lib in m.libraries]
+    assert publishing_warnings(m) == []

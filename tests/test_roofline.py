@@ -7,7 +7,7 @@ import pytest
 
 from tallow.runtime.errors import ArtifactError
 from tallow.runtime.manifest import Manifest
-from tallow.runtime.roofline import GPUS, decode_roofline
+from tallow.runtime.roofline import GPUS, decode_roofline, gpu_spec
 
 
 def _hand_figures(batch: int, context: int):
@@ -65,3 +65,37 @@ def test_unknown_gpu_is_named(tiny_artifact, capsys):
 def test_every_gpu_has_a_cited_source():
     assert set(GPUS) == {"H200", "H100 SXM", "A100 80GB", "L4", "RTX 4090", "M2 Max", "M3 Max"}
     assert all(g.source and g.bandwidth_gbs > 0 and g.f16_tflops > 0 for g in GPUS.values())
+
+
+@pytest.mark.parametrize(
+    "asked, meant",
+    [
+        ("H100", "H100 SXM"),  # issue 35: was refused, it wanted "H100 SXM"
+        ("h100-sxm", "H100 SXM"),
+        ("NVIDIA H100 SXM", "H100 SXM"),
+        ("a100", "A100 80GB"),
+        ("A100-80G", "A100 80GB"),
+        ("4090", "RTX 4090"),
+        ("rtx4090", "RTX 4090"),
+        ("m3 max", "M3 Max"),
+        ("H200", "H200"),
+    ],
+)
+def test_gpu_names_are_matched_loosely(asked, meant):
+    assert gpu_spec(asked).name == meant
+
+
+def test_a_loose_name_with_two_candidates_or_none_is_refused():
+    with pytest.raises(ArtifactError, match="could be M2 Max or M3 Max"):
+        gpu_spec("Max")
+    with pytest.raises(ArtifactError, match="unknown GPU 'B200'"):
+        gpu_spec("B200")  # shares "200" with the H200, but not its letters
+
+
+def test_inspect_gpu_on_a_cpu_only_artifact_says_so(tiny_artifact, capsys):
+    from tallow.cli.main import main
+
+    assert main(["inspect", str(tiny_artifact("qwen3")), "--gpu", "H100"]) == 0
+    out, err = capsys.readouterr()
+    assert "decode roofline on H100 SXM" in out
+    assert err.startswith("note: this artifact has no GPU library (it has: cpu native")

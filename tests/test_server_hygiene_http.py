@@ -164,7 +164,7 @@ def test_serve_options_parse():
         ["serve", "x", "--allowed-hosts", "a.example, b.example", "--allowed-origins", "*"]
     )
     assert args.allowed_hosts == "a.example, b.example" and args.allowed_origins == "*"
-    from tallow.cli.main import _comma_list
+    from tallow.cli.serve import _comma_list
 
     assert _comma_list(args.allowed_hosts) == ("a.example", "b.example")
     assert _comma_list("") == ()

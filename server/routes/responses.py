@@ -27,7 +27,8 @@ async def responses(
     prompts, params, output = await context.off_loop(
         responses_inputs, req, context.model, context.options.max_tokens_cap
     )
-    formatter = ResponsesFormatter(context.model, context.model_name, output, echoed_settings(req))
+    settings = echoed_settings(req, context.model)
+    formatter = ResponsesFormatter(context.model, context.model_name, output, settings)
     try:
         return await generate_response(
             request, context, formatter, prompts, params, stream=req.stream, include_usage=True

@@ -8,7 +8,8 @@ const $ = (id) => document.getElementById(id);
 const CHATS_KEY = "tallow.chats.v1";
 const SETTINGS_KEY = "tallow.settings.v1";
 const API_KEY = "tallow.apiKey";
-const DEFAULTS = { system: "", temperature: 0.7, top_p: 1, max_tokens: null };
+// null: not sent, so the server applies the model's own default (its generation_config).
+const DEFAULTS = { system: "", temperature: null, top_p: null, max_tokens: null };
 
 let model = null; // {id, max_model_len}
 let store = load(CHATS_KEY, { chats: [], current: null });
@@ -136,9 +137,9 @@ async function send(text) {
     messages: requestMessages(chat),
     stream: true,
     stream_options: { include_usage: true },
-    temperature: settings.temperature,
-    top_p: settings.top_p,
   };
+  if (settings.temperature !== null) body.temperature = settings.temperature;
+  if (settings.top_p !== null) body.top_p = settings.top_p;
   if (settings.max_tokens) body.max_tokens = settings.max_tokens; // else: what the context allows
   chat.messages.push(reply);
   save();
@@ -333,10 +334,10 @@ function bindSettings() {
     const input = $(id);
     const shown = $(`${id}-value`);
     input.value = settings[key] ?? "";
-    if (shown) shown.textContent = settings[key];
+    if (shown) shown.textContent = settings[key] ?? "model's";
     input.addEventListener("input", () => {
       settings[key] = parse(input.value);
-      if (shown) shown.textContent = settings[key];
+      if (shown) shown.textContent = settings[key] ?? "model's";
       localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
     });
   }
