@@ -153,7 +153,11 @@ def _add_compile(sub) -> None:
     p.add_argument(
         "--output", type=Path, default=Path("artifacts"), help="parent folder (default artifacts/)"
     )
-    p.add_argument("--name", help="artifact folder name (default <model>-<dtype>-<target>)")
+    p.add_argument(
+        "--name",
+        help="artifact folder name (default <model>-<weights>-<targets>, e.g. "
+        "smollm2-135m-instruct-q4_1-cpu; -embed added with --task embed)",
+    )
     p.add_argument(
         "--context-window",
         type=int,

@@ -3,14 +3,17 @@ first, then the model, then the app)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from tallow.cli.arg_types import THREADS_HELP, positive_int
 from tallow.cli.arg_types import device as device_arg
 from tallow.cli.sampling_flags import add_sampling_flags, sampling_defaults
 from tallow.runtime.errors import TallowError
+from tallow.server.paths import routes_help
 
 
 def add_device(p) -> None:
@@ -27,13 +30,15 @@ def add_serve_parser(sub, artifact_type, artifact_help: str) -> None:
     p = sub.add_parser(
         "serve",
         help="serve an artifact over an OpenAI-compatible HTTP API",
-        description=(
-            "Serve an artifact with /v1/chat/completions, /v1/responses, /v1/completions, "
-            "/v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics, and a "
-            "chat page at / (unless --no-ui). Without ARTIFACT, the embedded default model is "
-            f"compiled for this host once, into ${CACHE_ENV} (default "
-            "$XDG_CACHE_HOME/tallow or ~/.cache/tallow), and served."
+        description=textwrap.fill(
+            "Serve an artifact over HTTP, at the routes listed below (docs/api.md describes "
+            "them). Without ARTIFACT, the embedded default model is compiled for this host "
+            f"once, into ${CACHE_ENV} (default $XDG_CACHE_HOME/tallow or ~/.cache/tallow), "
+            "and served.",
+            width=78,
         ),
+        epilog="routes:\n" + routes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "artifact", type=artifact_type, nargs="?", help=artifact_help + " (default: see above)"

@@ -20,6 +20,7 @@ from .errors import install_handlers
 from .gate import APIGate
 from .metrics import ServerMetrics
 from .openapi import install_openapi
+from .paths import OPENAPI
 from .routes import ROUTERS, ui
 
 __all__ = ["ServerOptions", "create_app"]
@@ -53,7 +54,9 @@ def create_app(engine: Any, model_name: str, options: ServerOptions | None = Non
         state=ServerState(),
         metrics=ServerMetrics(engine.stats),
     )
-    app = FastAPI(title="tallow", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="tallow", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=OPENAPI
+    )
     app.state.context = context
     app.state.tallow = context.state  # the drain flag, for the launcher's signal handler
     install_handlers(app)

@@ -18,6 +18,7 @@ import socket
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import paths
 from .context import ServerOptions, ServerState
 from .errors import APIError
 from .routes.ui import UI_PATHS
@@ -97,7 +98,7 @@ class APIGate:
                 code="invalid_host",
             )
             return await err.response()(scope, receive, send)
-        if scope["path"] == "/health":
+        if scope["path"] == paths.HEALTH:
             return await self.app(scope, receive, send)
         page = scope["method"] == "GET" and scope["path"] in self._open
         if self._expected is not None and not page:

@@ -28,14 +28,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from .paths import HEALTH, ROUTES
 from .protocol import ErrorResponse, HealthResponse
 
-# Routes that queue engine work and so can answer 429 (`jobs.check_queue`).
-QUEUED_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"}
-)
-# Routes the API key does not guard (`gate.APIGate`).
-OPEN_PATHS = frozenset({"/health"})
+# Routes that queue engine work and so can answer 429, and those the API key does not guard.
+QUEUED_PATHS = frozenset(r.path for r in ROUTES if r.queues_work)
+OPEN_PATHS = frozenset(r.path for r in ROUTES if not r.needs_key)
 
 _ERRORS = {
     400: "invalid request: the message names the field (`param`) and the problem (`code`)",
@@ -130,7 +128,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                 ok["text/event-stream"] = {"schema": _SSE_EVENT}
         for status in _statuses(path, model is not None):
             op["responses"].setdefault(str(status), _error(status))
-        if path == "/health":  # not ready or draining: the health body, not an error
+        if path == HEALTH:  # not ready or draining: the health body, not an error
             op["responses"]["503"] = _error(503, "HealthResponse")
             op["responses"]["503"]["description"] = "not ready yet, or shutting down"
     return doc

@@ -1,7 +1,8 @@
 """The API routes, one module per route group; `create_app` includes `ROUTERS`, and
 `ui.router` (the chat page at /) unless `ServerOptions.ui` is off.
 
-Each path has exactly one home here (tests/test_server_routes.py checks the table).
+Each route lives in one module here, at a path from `server/paths.py`
+(tests/test_server_routes.py and tests/test_docs_drift.py check both).
 """
 
 from fastapi import APIRouter

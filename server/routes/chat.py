@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from .. import paths
 from ..context import Context, json_body
 from ..formatters import ChatFormatter
 from ..generation import generate_response
@@ -16,7 +17,7 @@ from ..protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post(paths.CHAT_COMPLETIONS, response_model=ChatCompletionResponse)
 async def chat_completions(
     request: Request,
     context: Context,

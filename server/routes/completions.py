@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from tallow.runtime.sampling_params import SamplingParams
 from tallow.runtime.served_model import ServedModel
 
+from .. import paths
 from ..context import Context, json_body
 from ..formatters import CompletionFormatter
 from ..formatters.completions import EchoedPrompt
@@ -27,7 +28,7 @@ def _inputs(
     return prompts, params, echoed_prompts(req, model, prompts) if req.echo else None
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post(paths.COMPLETIONS, response_model=CompletionResponse)
 async def completions(
     request: Request,
     context: Context,

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from tallow.runtime.engine import EmbeddingsNotSupportedError
 from tallow.runtime.request import ContextLengthExceededError
 
+from .. import paths
 from ..context import Context, ServerContext, json_body
 from ..errors import APIError, bad_request
 from ..formatters import EmbeddingFormatter
@@ -36,7 +37,7 @@ def _rejection(e: ValueError) -> APIError:
     return bad_request(str(e), "input")
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingResponse)
+@router.post(paths.EMBEDDINGS, response_model=EmbeddingResponse)
 async def embeddings(
     request: Request,
     context: Context,

@@ -5,13 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from .. import paths
 from ..context import Context
 from ..protocol import HealthResponse
 
 router = APIRouter()
 
 
-@router.get("/health", response_model=HealthResponse)
+@router.get(paths.HEALTH, response_model=HealthResponse)
 async def health(context: Context) -> JSONResponse:
     state = context.state
     if not state.ready or state.draining:
@@ -19,7 +20,7 @@ async def health(context: Context) -> JSONResponse:
     return JSONResponse(HealthResponse(status="ok").model_dump())
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get(paths.METRICS, response_class=PlainTextResponse)
 async def metrics(context: Context) -> Response:
     context.metrics.queued.set(context.state.queued)
     body = context.metrics.render()

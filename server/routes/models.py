@@ -7,13 +7,14 @@ import time
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from .. import paths
 from ..context import Context
 from ..protocol import ModelCard, ModelList
 
 router = APIRouter()
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get(paths.MODELS, response_model=ModelList)
 async def list_models(context: Context) -> JSONResponse:
     card = ModelCard(
         id=context.model_name,

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from .. import paths
 from ..context import Context, json_body
 from ..errors import APIError
 from ..formatters import ResponsesFormatter
@@ -17,7 +18,7 @@ from ..protocol_responses import ResponseCreateRequest, ResponseObject
 router = APIRouter()
 
 
-@router.post("/v1/responses", response_model=ResponseObject)
+@router.post(paths.RESPONSES, response_model=ResponseObject)
 async def responses(
     request: Request,
     context: Context,

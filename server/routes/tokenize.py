@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from tallow.runtime.served_model import ServedModel
 
+from .. import paths
 from ..context import Context, json_body
 from ..errors import bad_request
 from ..prompts import check_token_ids, encode_messages
@@ -18,7 +19,7 @@ from ..protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, T
 router = APIRouter()
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
+@router.post(paths.TOKENIZE, response_model=TokenizeResponse)
 async def tokenize(
     context: Context,
     req: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))],
@@ -40,7 +41,7 @@ def _tokenize(req: TokenizeRequest, model: ServedModel) -> JSONResponse:
     return JSONResponse(body.model_dump())
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
+@router.post(paths.DETOKENIZE, response_model=DetokenizeResponse)
 async def detokenize(
     context: Context,
     req: Annotated[DetokenizeRequest, Depends(json_body(DetokenizeRequest))],

@@ -15,14 +15,22 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from .. import paths
+
 router = APIRouter()
 
-# path -> (file in server/ui/, media type)
+_MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
+# path -> (file in server/ui/, media type); the paths are `paths.CHAT_PAGE` and `UI_ASSETS`.
 UI_FILES: dict[str, tuple[str, str]] = {
-    "/": ("index.html", "text/html; charset=utf-8"),
-    "/ui/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
-    "/ui/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
-    "/ui/chat.css": ("chat.css", "text/css; charset=utf-8"),
+    path: (name, _MEDIA_TYPES[name[name.rindex(".") :]])
+    for path, name in [
+        (paths.CHAT_PAGE, "index.html"),
+        *((asset, asset.rsplit("/", 1)[1]) for asset in paths.UI_ASSETS),
+    ]
 }
 UI_PATHS = frozenset(UI_FILES)
 
