@@ -31,3 +31,13 @@ def device(value: str) -> str:
             f"bad device {value!r}; expected auto, cpu, cuda[:N] or metal[:N]"
         )
     return value
+
+
+def add_device(p) -> None:
+    p.add_argument(
+        "--device",
+        type=device,
+        default="auto",
+        help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
+        "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
+    )

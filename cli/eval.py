@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tallow.cli.arg_types import THREADS_HELP, device, positive_int
+from tallow.cli.arg_types import THREADS_HELP, add_device, positive_int
 from tallow.runtime.errors import TallowError
 
 DESCRIPTION = (
@@ -43,9 +43,7 @@ def add_eval_parser(sub) -> None:
         "--context", type=int, default=512, help="tokens per window (default 512, as llama.cpp)"
     )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    p.add_argument(
-        "--device", type=device, help="cpu, cuda:N or metal:N (default: the artifact's kind)"
-    )
+    add_device(p)
     p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 

@@ -12,11 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-from tallow.cli.arg_types import THREADS_HELP, positive_int
+from tallow.cli.arg_types import THREADS_HELP, add_device, positive_int
 from tallow.cli.eval import add_eval_parser, run_eval
 from tallow.cli.inspect import add_inspect_parser, run_inspect
 from tallow.cli.sampling_flags import add_sampling_flags, check_sampling_flags
-from tallow.cli.serve import add_device, add_serve_parser, run_serve
+from tallow.cli.serve import add_serve_parser, run_serve
 from tallow.runtime.errors import TallowError
 
 

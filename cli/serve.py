@@ -9,21 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tallow.cli.arg_types import THREADS_HELP, positive_int
-from tallow.cli.arg_types import device as device_arg
+from tallow.cli.arg_types import THREADS_HELP, add_device, positive_int
 from tallow.cli.sampling_flags import add_sampling_flags, sampling_defaults
 from tallow.runtime.errors import TallowError
 from tallow.server.paths import routes_help
-
-
-def add_device(p) -> None:
-    p.add_argument(
-        "--device",
-        type=device_arg,
-        default="auto",
-        help="auto (default: CUDA when a driver and a matching SASS arch exist, Metal on a Mac, "
-        "else the best CPU library that fits), cpu, cuda[:N] or metal[:N]",
-    )
 
 
 def add_serve_parser(sub, artifact_type, artifact_help: str) -> None:
