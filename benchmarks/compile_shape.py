@@ -4,7 +4,8 @@
         --out /tmp/q8
     python benchmarks/compile_shape.py --preset qwen3-0.6b --target cpu --dtype f16 --out /tmp/q06
 
-Writes `<out>/lib/<target>.so` (a .tar for metal) and `<out>/shape.json` (config, parameter
+Writes the library where an artifact keeps it (`<out>/lib/cpu-znver4.so`, a .dylib or .tar
+for metal: `TargetSpec.library_name`) and `<out>/shape.json` (config, parameter
 names/shapes/dtypes in library order, target details). Used for compile-time numbers and for
 the GPU check. `--quant q4k` gives every matrix (embedding and head included) GGUF q4k blocks
 (uniform, unlike llama.cpp's q4k_m mix). `--artifact` also writes a manifest and a tokenizer

@@ -1,10 +1,10 @@
 """The Metal target: Apple GPUs, host code for arm64 macOS.
 
-The library is linked here, at compile time, into an arm64 `model.dylib` with LLVM's
-`ld64.lld` (`compiler/macho_link.py`), so a Mac needs only `pip install` to run it. When this
-machine has no `ld64.lld`, the objects ship as a .tar instead and the Mac links them once at
-load time with its own `clang` (the Xcode command line tools; docs/metal.md); the manifest's
-`host_format` and `linker` say which.
+The library is linked here, at compile time, into an arm64 dylib (`lib/metal-arm64.dylib`)
+with LLVM's `ld64.lld` (`compiler/macho_link.py`), so a Mac needs only `pip install` to run
+it. When this machine has no `ld64.lld`, the objects ship as a .tar instead
+(`lib/metal-arm64.tar`) and the Mac links them once at load time with its own `clang` (the
+Xcode command line tools; docs/metal.md); the manifest's `host_format` and `linker` say which.
 """
 
 from __future__ import annotations
