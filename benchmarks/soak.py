@@ -313,6 +313,7 @@ def render(result: dict) -> str:
 
 
 def write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(result["samples"][0]))
@@ -346,8 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(run(args))
+    print(render(result))  # first: an hour's verdict must not depend on the file write
     write(result, args.out)
-    print(render(result))
     print(f"samples in {args.out} and {args.out.with_suffix('.csv')}")
     return 0 if result["passed"] else 1
 

@@ -259,7 +259,13 @@ def _inverse_cdf(y: np.ndarray, thr: np.ndarray, u: np.ndarray) -> np.ndarray:
 def _draw(x, temp, top_k, top_p, min_p, u) -> np.ndarray:
     """Token per row of `x`, every row sampled (temp > 0): temperature, the cuts, then the
     inverse-CDF draw at `u`; a row with nothing finite falls back to its argmax."""
-    y = x / temp[:, None]
+    # A temperature near 0 (1e-300 is valid; in float32 it is 0) overflows to inf: such a row
+    # is handled as "nothing finite" below and takes its argmax, the limit as temp -> 0.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return _draw_scaled(x, x / temp[:, None], top_k, top_p, min_p, u)
+
+
+def _draw_scaled(x, y, top_k, top_p, min_p, u) -> np.ndarray:
     thr = keep_thresholds(y, top_k, top_p, min_p)
     out = np.empty(len(x), dtype=np.int64)
     # Vectorised over rows; chunked so the float64 CDF stays ~32 MB.
@@ -267,7 +273,7 @@ def _draw(x, temp, top_k, top_p, min_p, u) -> np.ndarray:
     for a in range(0, len(x), step):
         out[a : a + step] = _inverse_cdf(y[a : a + step], thr[a : a + step], u[a : a + step])
     banned = ~np.isfinite(np.max(y, axis=1))
-    if banned.any():  # every token at -inf (e.g. biased away): fall back to argmax
+    if banned.any():  # every token at -inf (biased away) or temp ~0: the unscaled argmax
         out[banned] = np.argmax(x[banned], axis=1)
     return out
 

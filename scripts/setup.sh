@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
+# setuptools reminds every editable install that a folder named like the package could shadow
+# it; tallow maps its top-level folders onto `tallow.*` on purpose (pyproject.toml), so the
+# reminder is noise a newcomer would take for a problem.
+export PYTHONWARNINGS="ignore:Editable installation"
 .venv/bin/python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--runtime-only" ]]; then
     .venv/bin/python -m pip install -q -e .

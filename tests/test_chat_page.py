@@ -193,9 +193,14 @@ def browser():
 
 
 def wait(driver, condition, timeout: float = 20, poll: float = 0.02):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=poll).until(lambda d: condition(d))
+    # The page re-renders messages while a reply streams: an element found a moment ago can
+    # be replaced before it is read. That is not the condition failing, so poll again.
+    return WebDriverWait(
+        driver, timeout, poll_frequency=poll, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda d: condition(d))
 
 
 def fresh_page(driver, base_url: str) -> None:

@@ -3,6 +3,8 @@ plain full-sort reference distribution written here, and seeded batch-invariance
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -137,6 +139,21 @@ def test_greedy_is_argmax_and_needs_no_generator():
     out = Sampler().sample(x, [SamplingParams(temperature=0.0)] * 8, [None] * 8)
     np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=1))
     assert out.logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("temp", [5e-324, 1e-40, 1e-300])
+def test_vanishing_temperature_samples_the_argmax_quietly(temp):
+    """Valid (positive) temperatures that divide the logits past float range, as the fuzz
+    campaign sends them: the draw is the argmax (the limit as temperature -> 0), whatever
+    the seed, and numpy's overflow warnings do not reach the server's log."""
+    x = _logits(4, seed=11)
+    params = [SamplingParams(temperature=temp, top_p=0.9)] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(3):
+            gens = [make_generator(seed + i) for i in range(4)]
+            out = Sampler().sample(x, params, gens)
+            np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=1))
 
 
 def test_sampled_row_without_generator_is_an_error():
