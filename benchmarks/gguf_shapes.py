@@ -61,6 +61,11 @@ SHAPES: dict[str, Shape | None] = {
     "llama-3.2-1b": Shape(
         "llama", 2048, 16, 32, 8, 64, 8192, 128256, tied=True, rope_theta=500000.0, context=131072
     ),
+    # 3B class: the size users run on CPUs, where prefill too streams the weights from memory
+    "llama-3.2-3b": Shape(
+        "llama", 3072, 28, 24, 8, 128, 8192, 128256, tied=True, rope_theta=500000.0,
+        context=131072,
+    ),
     "gemma-3-270m": None,  # copied from the real file (GEMMA_FILE)
 }  # fmt: skip
 

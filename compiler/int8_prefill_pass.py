@@ -1,12 +1,13 @@
-"""Give the prefill functions' quantized matmuls int8-activation kernels (AVX-512 VNNI CPUs).
+"""Give the prefill functions' quantized matmuls int8-activation kernels (x86 with AVX2).
 
 `prefill` and `batch_prefill` multiply `[1, tokens, K]` (a symbolic token count) by every
 quantized weight. Float activations and the tiled dequantize-matmul (`schedules.cpu.tiled`)
-reach about 8 multiply-adds per instruction; `schedules.cpu.int8_prefill`'s kernel, the
-batched-decode VNNI tiles over the token rows, about 64 per `vpdpbusd`. Like
-`int8_decode_pass`, this substitutes the kernel (same parameters: x, w, out) before fusion,
-marked opaque, for the kernels whose format has int8 groups; the others keep the tiled float
-schedule, and so does every CPU without AVX-512 VNNI (AVX2: the float tiles).
+reach about 8 multiply-adds per instruction; with AVX-512 VNNI, `schedules.cpu.int8_prefill`'s
+kernel (the batched-decode VNNI tiles over the token rows) about 64 per `vpdpbusd`; with AVX2,
+`schedules.cpu.int8_prefill_columns`' (batched decode's column tiles) 16 per `pmaddubsw`.
+Like `int8_decode_pass`, this substitutes the kernel (same parameters: x, w, out) before
+fusion, marked opaque, for the kernels whose format has int8 tiles on the level (AVX2: not
+q8_0); the others keep the tiled float schedule, and so does every CPU without AVX2.
 
 This changes prefill's numerics as llama.cpp's do: activations rounded to int8 per 32 with
 a per-row step, the rule decode uses (`schedules.cpu.int8_ops`); the manifest records it
@@ -26,15 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def int8_prefill_kernels(report: BuildReport):
-    """The module pass; records what it replaced in `report`."""
+def int8_prefill_kernels(report: BuildReport, vnni: bool = True):
+    """The module pass; records what it replaced in `report`. `vnni`: the target has
+    AVX-512 VNNI, else AVX2 (the column tiles)."""
     import tvm
 
     from tallow.schedules.cpu.int8_prefill import prefill_kernel_for
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8PrefillKernels")
     def _pass(mod, _ctx):
-        replaced = substitute_kernels(mod, prefill_kernel_for)
+        replaced = substitute_kernels(mod, lambda func: prefill_kernel_for(func, vnni))
         report.prefill_activations = ACTIVATIONS if replaced else "float32"
         report.int8_prefill_kernels = replaced
         log.info("int8-activation prefill kernels: %d", replaced)

@@ -16,7 +16,7 @@ from tallow.compiler.int8_prefill_pass import int8_prefill_kernels
 from tallow.compiler.quant import QUANT_FORMATS
 from tallow.compiler.target import BuildReport
 from tallow.model_defs.quant_ops import QuantLinear
-from tallow.schedules.cpu import int8_gemv
+from tallow.schedules.cpu import int8_gemv, int8_prefill_columns
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
 SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")
@@ -58,6 +58,49 @@ def test_prefill_matches_numpy(qtype):
             np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
 
 
+needs_avx2 = pytest.mark.skipif(not int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
+COLUMN_FORMATS = [q for q in QUANT_FORMATS if int8_prefill_columns.supported(q)]
+# the formats whose batch_decode takes the same column tiles: rows equal bit for bit
+COLUMNS_IN_DECODE = [q for q in COLUMN_FORMATS if QUANT_FORMATS[q].int8.column_tiles]
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", COLUMN_FORMATS)
+def test_avx2_prefill_matches_numpy(qtype):
+    """AVX2 column tiles over the tokens: below one 128-row tile (3, 37), a whole one plus a
+    rest (133), 64 output columns (8 parallel blocks). Each row is the product of its rounded
+    activations; where batch_decode takes the column tiles too, bit for bit its rows; and a
+    row's bits do not depend on the tile it lands in or its place there (the last 3 rows of
+    133 tokens sit in the second tile, alone they are the first tile's first rows:
+    `--deterministic` prefills a prompt in chunks)."""
+    k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
+    n = 64
+    blocks, deq = _weights(qtype, n, k, seed=41)
+    lib = _build(int8_prefill_columns.prefill_kernel(qtype, n, k))
+    decode = None
+    if qtype in COLUMNS_IN_DECODE:
+        decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=False))
+    x_all = _activations(133, k, seed=42)
+    results = {}
+    for tokens in (3, 37, 133):
+        x = x_all[-tokens:]  # the last rows: each count puts a row in another tile position
+        out = tvm.runtime.empty((1, tokens, n), "float32")
+        lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)
+        got = out.numpy().reshape(tokens, n)
+        ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq))
+        err = np.abs(got - ref)
+        assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} tokens: max err {err.max()}"
+        float_ref = x.reshape(tokens, k).astype(np.float64) @ deq.T
+        assert np.abs(got - float_ref).max() > 1e-3  # the rounding is really there
+        results[tokens] = got
+        if decode is not None:
+            rows = tvm.runtime.empty((tokens, 1, n), "float32")
+            decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
+            np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
+    np.testing.assert_array_equal(results[3], results[133][-3:])
+    np.testing.assert_array_equal(results[37], results[133][-37:])
+
+
 class _Projections(nn.Module):
     def __init__(self, k, n, qtype):
         self.proj = QuantLinear(k, n, qtype)
@@ -68,9 +111,11 @@ class _Projections(nn.Module):
     decode = batch_decode = rows = prefill
 
 
-def test_pass_replaces_prefill_kernels_only():
-    """`[1, s, K]` gets the int8 prefill kernel; decode shapes and a 2-D input keep theirs;
-    the report says which activations prefill uses."""
+@pytest.mark.parametrize(("vnni", "block"), [(True, "dot_vnni"), (False, "dot_columns")])
+def test_pass_replaces_prefill_kernels_only(vnni, block):
+    """`[1, s, K]` gets the int8 prefill kernel of the CPU level (AVX-512 VNNI or AVX2);
+    decode shapes and a 2-D input keep theirs; the report says which activations prefill
+    uses. Only TIR is built: this runs on any CPU."""
     k, n, qtype = 256, 32, "q4k"
     specs = {
         "prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")},
@@ -80,8 +125,8 @@ def test_pass_replaces_prefill_kernels_only():
     }
     mod, _ = _Projections(k, n, qtype).export_tvm(specs)
     report = BuildReport()
-    out = int8_prefill_kernels(report)(mod)
-    int8 = [f for _, f in out.functions_items() if 'T.sblock("dot_vnni")' in f.script()]
+    out = int8_prefill_kernels(report, vnni=vnni)(mod)
+    int8 = [f for _, f in out.functions_items() if f'T.sblock("{block}")' in f.script()]
     floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
     assert len(int8) == 1 and len(floats) == 3
     assert int(int8[0].attrs["op_pattern"]) == 8
@@ -89,3 +134,16 @@ def test_pass_replaces_prefill_kernels_only():
         "prefill_activations": "int8_g32_row_step",
         "int8_prefill_kernels": 1,
     }
+
+
+def test_avx2_pass_leaves_q8_0_to_the_float_tiles():
+    """q8_0's signed codes have no AVX2 column tiles: its prefill keeps the float schedule,
+    and a module with nothing replaced reports float activations."""
+    k, n = 256, 32
+    mod, _ = _Projections(k, n, "q8_0").export_tvm(
+        {"prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")}}
+    )
+    report = BuildReport()
+    out = int8_prefill_kernels(report, vnni=False)(mod)
+    assert not any('T.sblock("dot_columns")' in f.script() for _, f in out.functions_items())
+    assert report.to_details() == {"prefill_activations": "float32", "int8_prefill_kernels": 0}

@@ -124,12 +124,12 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     manifest lists each run's type, and the logits equal those of the f32 artifact of the
     same file (dequantized at compile time by gguf's own dequantizers, the oracle).
 
-    Prefill is compared (float activations in both: equal to float32 rounding, ≤ 1e-4
-    relative). A decode step's quantized matmuls round the activations to int8 as llama.cpp
-    does (`compiler.int8_decode_pass`); that step is checked as the other int8 tests check
-    it, within the activation rounding of the f32 model's (≤ 5% of the largest logit)."""
+    On x86 with AVX2 the quantized matmuls of prefill and decode round the activations to
+    int8 as llama.cpp does (`compiler.int8_prefill_pass`, `int8_decode_pass`), and each step
+    is checked as the other int8 tests check it, within the activation rounding of the f32
+    model's (≤ 5% of the largest logit; a run read in the wrong format is off by its whole
+    size). Elsewhere (float activations in both) prefill equals to float32 rounding."""
     import gguf
-    from float_prefill import float_prefill_levels
     from gguf_models import write_gguf
 
     from tallow.compiler.pipeline import CompileOptions, compile_model
@@ -139,12 +139,9 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     path = write_gguf(
         tiny_model_dir("qwen2_wide"), tmp_path / "mixed.gguf", "qwen2", tensor_types=MIXED_TYPES
     )
-    levels = float_prefill_levels()  # exact prefill comparison: float activations in both
-    art = compile_model(
-        CompileOptions(model=str(path), output=tmp_path / "a", quiet=True, cpu=levels)
-    )
+    art = compile_model(CompileOptions(model=str(path), output=tmp_path / "a", quiet=True))
     f32 = compile_model(
-        CompileOptions(model=str(path), quant="f32", output=tmp_path / "f", quiet=True, cpu=levels)
+        CompileOptions(model=str(path), quant="f32", output=tmp_path / "f", quiet=True)
     )
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())
     params = {p["name"]: p for p in manifest["params"]}
@@ -185,9 +182,12 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
             runner.add_sequence(i)
         out.append(runner.forward([(i, p[:-1]) for i, p in enumerate(PROMPTS)]))  # prefill
         out.append(runner.forward([(i, p[-1:]) for i, p in enumerate(PROMPTS)]))  # decode
-    scale = np.abs(want[0]).max()
-    assert np.abs(got[0] - want[0]).max() <= 1e-4 * scale
-    assert np.abs(got[1] - want[1]).max() <= 0.05 * np.abs(want[1]).max()
     (library,) = manifest["libraries"]
+    int8_prefill = library["details"].get("prefill_activations") == "int8_g32_row_step"
+    scale = np.abs(want[0]).max()
+    assert np.abs(got[0] - want[0]).max() <= (0.05 if int8_prefill else 1e-4) * scale
+    assert np.abs(got[1] - want[1]).max() <= 0.05 * np.abs(want[1]).max()
+    if int8_prefill:
+        assert not np.array_equal(got[0], want[0])  # the runs' int8 prefill kernels ran
     if library["details"].get("decode_activations") == "int8_g32_row_step":
         assert not np.array_equal(got[1], want[1])  # the runs' int8 kernels really ran

@@ -164,11 +164,11 @@ SMOL_PROMPTS = [
 def test_smollm2_native_types_match_f32(smollm2_gguf, tmp_path_factory):  # noqa: F811
     """The GGUF's own Q4_1/Q8_0 blocks, decoded in the fused kernels, against the same file
     dequantized to f32 at compile time: the same weights, so the same logits at every
-    position of a prompt and its continuation (prefill: float activations in both; the
-    AVX2 level where this CPU has AVX-512 VNNI, `float_prefill_levels`).
+    position of a prompt and its continuation (prefill: float activations in both; on x86
+    with AVX2 the native artifact is built `x86-64-v2`, `float_prefill_levels`).
 
-    The continuation is the native artifact's greedy decode, whose matmuls round the
-    activations to int8 (the f32 artifact's keep them float): each of its tokens must be
+    The continuation is the native artifact's greedy decode (where its matmuls round the
+    activations to int8, as on arm64 they do not): each of its tokens must be
     the f32 model's choice, or within a near-tie of it (an int8 rounding moves a logit by
     about 0.1; seen: one step of 48 with a 0.14 gap)."""
     native = compile_model(
@@ -212,8 +212,8 @@ def test_smollm2_q8_0_perplexity_within_1_percent_of_f32(smollm2_gguf, tmp_path_
 
     from tallow.runtime.evaluate import perplexity
 
-    # The weights' rounding alone: float prefill activations (on VNNI machines the int8
-    # prefill adds its own, about 0.13% on this text: README, "CPU levels")
+    # The weights' rounding alone: float prefill activations (on x86 with AVX2 the int8
+    # prefill adds its own, about 0.13% on this text: docs/models.md)
     text = (Path(__file__).parent / "data" / "prose.txt").read_text()
     ppl = {}
     for fmt in ("f32", "q8_0"):

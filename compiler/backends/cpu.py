@@ -65,8 +65,7 @@ class CPUBackend(TargetBackend):
         if self.has_int8_decode(target):
             vnni = self.has_avx512_vnni(target)
             passes.append(int8_decode_kernels(spec.report, vnni=vnni))
-            if vnni:
-                passes.append(int8_prefill_kernels(spec.report))
+            passes.append(int8_prefill_kernels(spec.report, vnni=vnni))
         return passes
 
     def schedule_pass(self, spec: TargetSpec, target):

@@ -199,11 +199,12 @@ def _pmaddwd(pairs, m):
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, m)
 
 
-def tile_macro(qtype: str, groups: int):
-    """A macro: columns `n0..n0+7` for `rows` (<= ROWS) sequences from `r0`, the whole K.
+def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
+    """A macro: columns `n0..n0+7` for `rows` (<= `max_rows`) sequences from `r0`, the whole K.
 
     Arguments as `int8_batched`'s tiles: the weight buffer and the quantized activations
-    (xq, xm, xr, xs), then `out`.
+    (xq, xm, xr, xs), then `out`. Prefill (`int8_prefill_columns`) takes more rows per tile
+    than decode, to share each group's transpose among them.
     """
     halves = offset_halves(qtype)
     half_steps = STEPS // 2 if halves == 2 else STEPS  # steps under one scale
@@ -269,11 +270,11 @@ def tile_macro(qtype: str, groups: int):
     @T.macro
     def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
         # stack arrays (not "local", see int8_ops.quantize_macro)
-        acc = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
-        off = T.sblock_alloc_buffer((ROWS * COLS,), "float32")
+        acc = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
+        off = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
-        for i in T.unroll(ROWS):
+        for i in T.unroll(max_rows):
             acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
             off[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for g in range(groups):

@@ -1,5 +1,7 @@
 """Prefill matmuls for quantized weights on CPUs with AVX-512 VNNI: int8 activations.
 
+(AVX2 CPUs take `int8_prefill_columns`, built on batched decode's AVX2 column tiles.)
+
 Prefill (`[1, tokens, K]` times a quantized `[N, K]` weight) used float activations and the
 tiled schedule of `cpu.tiled`: a chunk of weight rows decoded to float once, then 8-lane
 FMAs, one per 8 multiply-adds. llama.cpp quantizes the activations to 8 bits and runs
@@ -132,13 +134,16 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     return gemm
 
 
-def prefill_kernel_for(func):
+def prefill_kernel_for(func, vnni: bool = True):
     """The int8 prefill kernel replacing `func`, or None when `func` is not a quantized
-    matmul over `[1, tokens, K]` with a symbolic token count."""
+    matmul over `[1, tokens, K]` with a symbolic token count or its format has no int8
+    tiles on this CPU level. `vnni`: AVX-512 VNNI's tiles (this module), else AVX2's
+    column tiles (`int8_prefill_columns`)."""
     from tallow.compiler.quant import get_format as format_of
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
 
     from ..tir_common import static_extent
+    from . import int8_prefill_columns as columns
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
         return None
@@ -150,9 +155,12 @@ def prefill_kernel_for(func):
     if str(x.dtype) != "float32" or str(out.dtype) != "float32":
         return None
     k, n = static_extent(x.shape[2]), static_extent(w.shape[0])
-    if k is None or n is None or k % LANES or n % COLS:
+    cols = COLS if vnni else columns.COLS
+    if k is None or n is None or k % LANES or n % cols:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
     if format_of(qtype).int8 is None:
         return None
-    return prefill_kernel(qtype, n, k)
+    if vnni:
+        return prefill_kernel(qtype, n, k)
+    return columns.prefill_kernel(qtype, n, k) if columns.supported(qtype) else None

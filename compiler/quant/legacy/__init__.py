@@ -62,6 +62,7 @@ for _fmt in (
         "q5_0",
         GGML.Q5_0,
         22,
+        max_code=31,  # column tiles in prefill only (decode keeps the row tiles)
         nibble_codes_at=6,
         fifth_bits_at=2,
         leading_scale=LeadingScale(-16.0),
@@ -70,6 +71,7 @@ for _fmt in (
         "q5_1",
         GGML.Q5_1,
         24,
+        max_code=31,  # column tiles in prefill only (decode keeps the row tiles)
         nibble_codes_at=8,
         fifth_bits_at=4,
         leading_scale=LeadingScale(None),

@@ -1,0 +1,99 @@
+"""Prefill matmuls for quantized weights on AVX2 CPUs: int8 activations, column tiles.
+
+Without AVX-512 VNNI, prefill (`[1, tokens, K]` times a quantized `[N, K]` weight) ran the
+float tiles of `cpu.tiled`: a chunk of weight rows decoded to float, then one 8-lane FMA per
+8 multiply-adds, whatever the format. llama.cpp's AVX2 prefill quantizes the activations to
+int8 and multiplies with `pmaddubsw` (16 multiply-adds per instruction). This kernel does the
+same with batched decode's AVX2 column tiles (`int8_columns`), which are a small GEMM: a
+tile transposes one group of 8 weight rows' codes and serves its rows of activations with
+it, one `pmaddubsw` per 4 weights, 8 columns and row.
+
+* Every token row is quantized as `int8_ops` documents (rows in parallel): the numbers
+  `batch_decode` uses for the same row.
+* Output columns run on the thread pool in blocks of 8, each block over all tokens in tiles
+  of `ROWS` rows, so that a group's transpose (24 shuffles, more for the formats whose codes
+  are decoded column by column) is shared by 128 rows instead of decode's 16. 500 tokens,
+  one thread, CPU time, best of 3 interleaved rounds (AMD EPYC Zen 3, machine shared), 16 /
+  32 / 64 / 128 rows a tile: q4k 1024 -> 9728 110 / 99 / 84 / 84 ms, q5_0 896 -> 9728
+  105 / 89 / 80 / 82 ms, q6k 4864 -> 896 81 / 75 / 67 / 56 ms, q4k 3072 -> 5120
+  177 / 158 / 141 / 132 ms. The tile's sums (2 x 128 x 8 floats) stay on the stack.
+* Each row and column sums its groups in order into one float whatever the tile's row count
+  or the row's place in it: a token's result does not depend on the chunk it is prefilled
+  in (`--deterministic`), and it is bit for bit what `batch_decode` gives the same row for
+  the formats that take the column tiles there (`Int8Codes.column_tiles`).
+
+Which formats: those whose codes are unsigned with a known `max_code` (the column tiles sum
+`pmaddubsw` pairs in int16 and size those sums by it): q4_0, q4_1, q5_0, q5_1 and every
+K-quant. q8_0's codes are signed (its row tiles use a sign trick `pmaddubsw` cannot take in
+the column layout, and flipped to unsigned they overflow its int16 pairs): it keeps the float
+tiles, as does everything on CPUs without AVX2.
+
+Numerics: as `batch_decode`'s, not float; the manifest says so
+(`target.details.prefill_activations`). Tests compare with numpy on gguf's dequantizers,
+rounding mirrored (`tests/test_int8_prefill.py`).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from tallow.compiler.quant.registry import get_format
+
+from . import int8_columns
+from .int8_codes import LANES, codes_of
+from .int8_ops import MULT_LANES, offset_halves, quantize_macro
+
+COLS = int8_columns.COLS  # output columns per tile and per parallel task
+ROWS = 128  # token rows sharing one transposed group of codes
+
+
+def supported(qtype: str) -> bool:
+    """Whether the AVX2 column tiles can take `qtype` (unsigned codes of known range)."""
+    codes = get_format(qtype).int8
+    return codes is not None and not codes.signed and codes.max_code is not None
+
+
+def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
+    """`out[0, t, :] = x[0, t, :] @ dequantize(w)^T` for a symbolic token count.
+
+    Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out)."""
+    if k % LANES or n_out % COLS:
+        raise ValueError(f"int8 prefill needs k % {LANES} == 0 and n % {COLS} == 0")
+    if not supported(qtype):
+        raise ValueError(f"{qtype} has no AVX2 column tiles")
+    groups = k // LANES
+    rb = get_format(qtype).row_bytes(k)
+    halves = offset_halves(qtype)
+    quantize = quantize_macro(groups, halves)
+    tile = int8_columns.tile_macro(qtype, groups, rows)
+    assert codes_of(qtype).max_code is not None
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        tokens = T.int64()
+        x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
+        out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
+        # the decode macros' view: one row per token
+        rows_in = T.decl_buffer((tokens, T.int64(1), k), "float32", data=x.data)
+        rows_out = T.decl_buffer((tokens, T.int64(1), n_out), "float32", data=out.data)
+        xq = T.sblock_alloc_buffer((tokens, k), "int8")
+        xm = T.sblock_alloc_buffer((tokens, groups * MULT_LANES), "int16")
+        xr = T.sblock_alloc_buffer((tokens,), "float32")
+        xs = T.sblock_alloc_buffer((groups * halves, tokens), "float32")
+        for r in T.parallel(tokens):
+            with T.sblock("quantize"):
+                T.reads(rows_in[r, 0, 0:k])
+                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r])
+                quantize(rows_in, r, xq, xm, xr, xs)
+        for nb in T.parallel(n_out // COLS):
+            for rt in range((tokens + rows - 1) // rows):
+                with T.sblock("dot_columns"):
+                    T.reads(
+                        w[nb * COLS : nb * COLS + COLS, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :]
+                    )
+                    T.writes(rows_out[:, 0, nb * COLS : nb * COLS + COLS])
+                    r0: T.let[T.int64] = rt * rows
+                    tile(w, nb * COLS, r0, T.min(tokens - r0, rows), xq, xm, xr, xs, rows_out)
+
+    return gemm
