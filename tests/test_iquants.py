@@ -18,6 +18,7 @@ from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
 from tallow.compiler.quant.mixes import find_mix
 
 IQUANTS = ["iq4_nl", "iq4_xs"]
+ROUNDING_NUDGE = 1e-5  # see test_iquant_gguf_matches_transformers
 F16_EDGES = [0.0, -0.0, 65504.0, -65504.0, 2.0**-24, -(2.0**-24), 2.0**-14, 1.0, -3.5]
 
 
@@ -138,3 +139,165 @@ def test_iq4_xs_falls_back_to_iq4_nl():
         "blk.0.attn_k.weight": "iq4_nl",
         "blk.0.ffn_down.weight": "none",
     }
+
+
+# --- a whole model -------------------------------------------------------------------------
+
+# qwen2_wide (hidden 256, FFN 512: every row length a multiple of 256), its matrices split
+# between the two formats so that fused projections hold runs of both, the embedding (a
+# quantized lookup) and the head included
+IQ_TYPES = {
+    "token_embd.weight": "iq4_nl",
+    "output.weight": "iq4_xs",
+    **{f"blk.{i}.attn_q.weight": "iq4_xs" for i in range(2)},
+    **{f"blk.{i}.attn_k.weight": "iq4_nl" for i in range(2)},
+    **{f"blk.{i}.attn_v.weight": "iq4_xs" for i in range(2)},
+    **{f"blk.{i}.attn_output.weight": "iq4_nl" for i in range(2)},
+    **{f"blk.{i}.ffn_gate.weight": "iq4_nl" for i in range(2)},
+    **{f"blk.{i}.ffn_up.weight": "iq4_xs" for i in range(2)},
+    **{f"blk.{i}.ffn_down.weight": "iq4_xs" for i in range(2)},
+}
+PROMPTS = [[5, 17, 40, 3, 99, 250, 7], [11, 12, 13, 200, 201, 66, 8, 9, 10, 120, 44]]
+
+
+def _dequantized_twin(src, gguf_path, dst):
+    """A copy of the HF model folder whose weights are the GGUF's tensors as `gguf`
+    dequantizes them (qwen2's GGUF rows are not permuted)."""
+    import shutil
+
+    from gguf_models import gguf_name
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    weights = load_file(src / "model.safetensors")
+    for name, w in weights.items():
+        t = tensors[gguf_name(name)]
+        weights[name] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+def _rounding_linear(nudge: float = 0.0):
+    """A context manager: while open, every `F.linear` of transformers rounds its input rows
+    as the int8 decode kernels do (`test_int8_decode._round_activations`, the rule in numpy),
+    after moving each input by `nudge` times its 32-group's largest magnitude, up and down
+    in turn (as `test_models_moe.round_expert_inputs`)."""
+    import contextlib
+
+    import torch
+    from test_int8_decode import _round_activations
+
+    float_linear = torch.nn.functional.linear
+
+    def rounded(x, w, b=None):
+        groups = x.detach().reshape(-1, x.shape[-1] // 32, 32).numpy().astype(np.float32)
+        top = np.abs(groups).max(axis=2, keepdims=True)
+        signs = np.where(np.arange(groups.size).reshape(groups.shape) % 2, -1, 1)
+        rows = (groups + np.float32(nudge) * top * signs).astype(np.float32)
+        values, _ = _round_activations(rows.reshape(-1, x.shape[-1]))
+        return float_linear(torch.from_numpy(values.astype(np.float32)).reshape(x.shape), w, b)
+
+    @contextlib.contextmanager
+    def patched():
+        torch.nn.functional.linear = rounded
+        try:
+            yield
+        finally:
+            torch.nn.functional.linear = float_linear
+
+    return patched()
+
+
+def _oracle_steps(hf, prompts, steps: int, round_decode: bool, nudge: float = 0.0):
+    """transformers' last-position logits: the prompts' prefill in float, then `steps`
+    decode steps through its KV cache, each feeding the previous argmax; with
+    `round_decode` the decode steps' linear inputs are rounded as our int8 kernels do."""
+    import contextlib
+
+    import torch
+
+    out, caches, tokens = [], [], []
+    with torch.no_grad():
+        for p in prompts:
+            r = hf(torch.tensor([p]), use_cache=True)
+            caches.append(r.past_key_values)
+            out.append([r.logits[0, -1].numpy()])
+        for _ in range(steps):
+            for i in range(len(prompts)):
+                tok = int(out[i][-1].argmax())
+                tokens.append((i, tok))
+                with _rounding_linear(nudge) if round_decode else contextlib.nullcontext():
+                    r = hf(torch.tensor([[tok]]), past_key_values=caches[i], use_cache=True)
+                caches[i] = r.past_key_values
+                out[i].append(r.logits[0, -1].numpy())
+    return [np.stack([o[s] for o in out]) for s in range(steps + 1)], tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path):
+    """A GGUF whose matrices are iq4_nl and iq4_xs compiles with every tensor in its own
+    type (the GGUF's bytes kept), and its logits are transformers' on the weights `gguf`
+    decodes from those bytes, for the prompts' prefill and 3 decode steps.
+
+    `float`: built for x86-64-v2 (no AVX2: float activations in decode too): to float32
+    rounding throughout (measured 1.3e-6 to 3.9e-6 of the largest logit). `int8`: the AVX2
+    level, whose decode matmuls round activations to int8 (`cpu.int8_ops`); the oracle rounds
+    the inputs of its decode steps' linears by the same rule. An input within float32 noise
+    of a rounding boundary can take the next code on one side only, so the decode steps'
+    tolerance is what nudging the oracle's inputs by 1e-5 of their group's largest value
+    moves its own logits (`test_models_moe`'s measure). Measured (2026-12-05, logits up to
+    13): errors 0.25, 0.12, 0.013 within a spread of 0.36; against the oracle without the
+    rounding 0.28, 0.61, 0.62. The same model with every matrix iq4_nl, or every one iq4_xs,
+    met the rounding oracle to 4e-7 of the largest logit (no code flipped)."""
+    import yaml
+    from float_prefill import float_prefill_levels
+    from gguf_models import write_gguf
+
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+    from tallow.schedules.cpu import int8_gemv
+
+    from tiny_models import load_hf
+
+    levels = ["x86-64-v2"] if activations == "float" else float_prefill_levels()
+    src = tiny_model_dir("qwen2_wide")
+    path = write_gguf(src, tmp_path / "iq4.gguf", "qwen2", tensor_types=IQ_TYPES)
+    art = compile_model(
+        CompileOptions(model=str(path), output=tmp_path / "a", quiet=True, cpu=levels)
+    )
+    manifest = yaml.safe_load((art / "manifest.yaml").read_text())
+    stored = {p["name"]: p["quant"] for p in manifest["params"]}
+    assert stored["lm_head.weight"] == "iq4_xs"
+    assert stored["model.embed_tokens.weight"] == "iq4_nl"
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert [stored[f"{qkv}.runs.{i}.weight"] for i in range(3)] == ["iq4_xs", "iq4_nl", "iq4_xs"]
+    assert set(stored.values()) == {"iq4_nl", "iq4_xs", "none"}
+    (library,) = manifest["libraries"]
+    int8 = library["details"].get("decode_activations") == "int8_g32_row_step"
+    if activations == "int8" and not int8:
+        from tallow.compiler.target import resolve_target
+
+        assert not int8_gemv.supported(resolve_target("cpu", "f32").tvm())
+        pytest.skip("this CPU has no AVX2: decode keeps float activations")
+    assert int8 == (activations == "int8")
+
+    hf = load_hf(_dequantized_twin(src, path, tmp_path / "twin"))
+    refs, tokens = _oracle_steps(hf, PROMPTS, 3, round_decode=int8)
+    spread = 0.0
+    if int8:
+        nudged, same = _oracle_steps(hf, PROMPTS, 3, True, nudge=ROUNDING_NUDGE)
+        assert same == tokens  # the oracle's own choices do not hang on the rounding
+        spread = max(float(np.abs(a - b).max()) for a, b in zip(nudged, refs, strict=True))
+    runner = TVMModelRunner(art, kv=KVCacheConfig(4, 512, 64))
+    for i in range(len(PROMPTS)):
+        runner.add_sequence(i)
+    got = [runner.forward(list(enumerate(PROMPTS)))]
+    for step in range(3):
+        feed = tokens[step * len(PROMPTS) : (step + 1) * len(PROMPTS)]
+        got.append(runner.forward([(i, [t]) for i, t in feed]))
+    for step, (g, r) in enumerate(zip(got, refs, strict=True)):
+        scale = float(np.abs(r).max())
+        bound = 1e-4 * scale if step == 0 or not int8 else 1e-5 * scale + spread
+        assert np.abs(g - r).max() <= bound, (step, float(np.abs(g - r).max()), bound)
