@@ -141,6 +141,36 @@ def test_iq4_xs_falls_back_to_iq4_nl():
     }
 
 
+def test_other_iquants_are_refused_naming_the_ones_read(tmp_path):
+    """The GGUF check refuses a tensor of an i-quant tallow does not read (IQ2_XXS) in one
+    message that lists the types it reads, the two i-quants among them."""
+    from tallow.compiler.gguf_source import check_gguf_file
+    from tallow.runtime.errors import ModelSourceError
+
+    path = tmp_path / "iq2.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS][1]
+    writer.add_tensor(
+        "blk.0.attn_q.weight",
+        np.zeros((2, size), np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS,
+    )
+    writer.add_tensor(
+        "blk.0.attn_k.weight",
+        np.zeros((2, 18), np.uint8),
+        raw_dtype=QUANT_FORMATS["iq4_nl"].ggml_type,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSourceError, match="IQ2_XXS") as err:
+        check_gguf_file(path)
+    supported = str(err.value).split("supported: ")[-1].split(", ")
+    assert {"IQ4_NL", "IQ4_XS", "Q4_K", "Q8_0", "F16"} <= set(supported)
+    assert "blk.0.attn_q.weight" in str(err.value)
+
+
 # --- a whole model -------------------------------------------------------------------------
 
 # qwen2_wide (hidden 256, FFN 512: every row length a multiple of 256), its matrices split
