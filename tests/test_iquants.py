@@ -331,3 +331,53 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
         scale = float(np.abs(r).max())
         bound = 1e-4 * scale if step == 0 or not int8 else 1e-5 * scale + spread
         assert np.abs(g - r).max() <= bound, (step, float(np.abs(g - r).max()), bound)
+
+
+@pytest.mark.slow
+def test_quant_iq4_xs_on_a_float_model(tiny_model_dir, tmp_path):
+    """`--quant iq4_xs` on safetensors (qwen2_wide: rows of 256 and 512 weights): every
+    matrix, the embedding and the head included, in iq4_xs, and the logits are transformers'
+    on the weights as `gguf` decodes tallow's quantizer's blocks (float activations:
+    x86-64-v2), to float32 rounding. (Rows that hold no whole super-block take iq4_nl:
+    `test_iq4_xs_falls_back_to_iq4_nl`.)"""
+    import torch
+    import yaml
+    from safetensors.numpy import load_file, save_file
+
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+
+    from tiny_models import load_hf
+
+    src = tiny_model_dir("qwen2_wide")
+    art = compile_model(
+        CompileOptions(
+            model=str(src), quant="iq4_xs", output=tmp_path / "a", quiet=True, cpu=["x86-64-v2"]
+        )
+    )
+    manifest = yaml.safe_load((art / "manifest.yaml").read_text())
+    assert manifest["quantization"] == "iq4_xs"
+    stored = {p["name"]: p["quant"] for p in manifest["params"]}
+    assert stored["lm_head.weight"] == stored["model.embed_tokens.weight"] == "iq4_xs"
+    assert {stored[n] for n in stored if n.endswith("proj.weight")} == {"iq4_xs"}
+    assert set(stored.values()) == {"iq4_xs", "none"}
+
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (twin / f.name).write_bytes(f.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    for name, w in weights.items():
+        if w.ndim == 2:  # every matrix: iq4_xs (asserted above through the manifest)
+            blocks = quantize(w.astype(np.float32), "iq4_xs").reshape(-1, 136)
+            weights[name] = _decoded_by_gguf("iq4_xs", blocks).reshape(w.shape)
+    save_file(weights, str(twin / "model.safetensors"))
+    hf = load_hf(twin)
+    runner = TVMModelRunner(art, kv=KVCacheConfig(4, 512, 64))
+    for i in range(len(PROMPTS)):
+        runner.add_sequence(i)
+    got = runner.forward(list(enumerate(PROMPTS)))
+    with torch.no_grad():
+        want = np.stack([hf(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
