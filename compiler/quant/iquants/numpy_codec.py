@@ -1,7 +1,8 @@
 """The 4-bit i-quants iq4_nl and iq4_xs in numpy: decoders and a scale-search quantizer.
 
 Both store a weight as a 4-bit index into one fixed non-linear table of 16 int8 values
-(`TABLE`, llama.cpp's; denser near zero, where Gaussian-like weights are) times a scale:
+(`TABLE`, the format's, as the `gguf` package's `IQ4_NL.kvalues`; denser near zero, where
+Gaussian-like weights are) times a scale:
 
 * iq4_nl (GGML type 20, 32 weights, 18 bytes): ``d:f16, qs:u8[16]``, value ``d * T[q]``;
   byte ``i`` holds weight ``i`` (low nibble) and ``i + 16`` (high), as the legacy formats.
@@ -32,7 +33,7 @@ TABLE = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
 )
 _T = TABLE.astype(_F32)
-_MIDPOINTS = (_T[1:] + _T[:-1]) / _F32(2)  # the table is sorted: nearest = searchsorted
+_MIDPOINTS = (_T[1:] + _T[:-1]) / _F32(2)  # sorted table: nearest = how many lie below
 # Candidate values of the group's largest weight, in table units: the scale maps it to
 # either end of the table (-127 or 113, the two signs of the scale) or a little inside or
 # beyond, where the least-squares refit moves it. Relative RMS error of iq4_nl on N(0, 1)
