@@ -118,8 +118,12 @@ def test_names():
     uniform = find_mix("q4k:all")
     assert uniform.name == "q4k" and not uniform.rules and uniform.pure
     assert find_mix("Q4_K:ALL").name == "q4k"
-    for bad in ("q9", "q4k_x", "q4k_m:all", "iq4_xs", ""):
+    for bad in ("q9", "q4k_x", "q4k_m:all", "iq3_xxs", ""):
         assert find_mix(bad) is None, bad
+    # the i-quants have no recipe of llama.cpp's here: their names mean every weight in them
+    for name in ("iq4_xs", "IQ4_XS", "iq4_nl:all"):
+        iq4 = find_mix(name)
+        assert iq4.pure and iq4.base == name.lower().removesuffix(":all"), name
 
 
 def test_uniform_mix_is_one_format_with_fallbacks():

@@ -18,11 +18,12 @@ from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
 
 LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 KQUANTS = ["q2k", "q3k", "q4k", "q5k", "q6k"]
-ALL = LEGACY + KQUANTS
+IQUANTS = ["iq4_nl", "iq4_xs"]
+ALL = LEGACY + KQUANTS + IQUANTS
 
 # Round-trip RMS error / data RMS on N(0, 1) data of shape (256, 1024), seed 1.
 # Measured: q8_0 0.54%, q4_0 8.63%, q4_1 7.85%, q5_0 4.29%, q5_1 3.80%,
-#           q2k 28.7%, q3k 14.4%, q4k 7.19%, q5k 3.63%, q6k 1.73%.
+#           q2k 28.7%, q3k 14.4%, q4k 7.19%, q5k 3.63%, q6k 1.73%, iq4_nl 7.34%, iq4_xs 7.41%.
 # Bounds are those values plus ~5% headroom.  (For scale: llama.cpp's 2-3 bit K-quants rely on
 # imatrix weighting for model quality; on i.i.d. Gaussian data these errors are near the
 # optimum for that many levels per sub-block.)
@@ -37,6 +38,8 @@ RMS_BOUND = {
     "q4k": 0.076,
     "q5k": 0.038,
     "q6k": 0.0182,
+    "iq4_nl": 0.077,
+    "iq4_xs": 0.078,
 }
 
 
@@ -74,7 +77,7 @@ def _gguf_type(name: str) -> gguf.GGMLQuantizationType:
 
 
 def test_quant_types_metadata():
-    assert list(QUANT_FORMATS) == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *KQUANTS]
+    assert list(QUANT_FORMATS) == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *KQUANTS, *IQUANTS]
     for name, qt in QUANT_FORMATS.items():
         assert qt.name == name
         assert (qt.block_size, qt.type_size) == GGML_QUANT_SIZES[qt.ggml_type]

@@ -1,7 +1,7 @@
 """Weight block formats: the registry (`QUANT_FORMATS`) and numpy quantize / dequantize.
 
-Each format family is one package that registers its formats (`legacy`, `kquants`; see
-`format.QuantFormat` for what a format holds and `registry` for the table).
+Each format family is one package that registers its formats (`legacy`, `kquants`,
+`iquants`; see `format.QuantFormat` for what a format holds and `registry` for the table).
 
 ``quantize(array, name)`` turns a float array whose last dimension is a multiple of the type's
 block size into ``uint8[rows, row_bytes]`` laid out byte for byte as llama.cpp / GGUF store the
@@ -10,6 +10,8 @@ blocks; ``dequantize(blocks, name, shape)`` is the matching numpy decoder.
 The legacy types (q4_0, q4_1, q5_0, q5_1, q8_0) reproduce ``gguf.quants.quantize`` bit for bit.
 The K-quants (q2k..q6k) use a search for sub-block scales in the spirit of ggml's reference
 quantizers (see :mod:`.kquants.scale_search`); their blocks decode with ``gguf.quants.dequantize``.
+The i-quants (iq4_nl, iq4_xs) search each group's scale against their non-linear table
+(:mod:`.iquants.numpy_codec`), without an importance matrix.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import kquants, legacy  # noqa: F401 - the families register their formats on import
+from . import iquants, kquants, legacy  # noqa: F401 - the families register their formats on import
 from .format import Int8Codes, Lazy, LeadingScale, QuantFormat
 from .registry import (
     QUANT_FORMATS,

@@ -1,10 +1,10 @@
 """`QuantFormat`: everything tallow knows about one weight block format, in one record.
 
 A format is registered once (`registry.register_format`, done by its family package:
-`legacy`, `kquants`) and every layer reads it from there: the numpy quantizer and decoder
-(`tallow.compiler.quant.quantize`), the `--quant` plan and its fallback, the GGUF reader's
-type table, the TE dequantize-matmul of `model_defs.quant_ops`, and the CPU int8-activation
-decode kernels of `schedules.cpu.int8_*`.
+`legacy`, `kquants`, `iquants`) and every layer reads it from there: the numpy quantizer
+and decoder (`tallow.compiler.quant.quantize`), the `--quant` plan and its fallback, the
+GGUF reader's type table, the TE dequantize-matmul of `model_defs.quant_ops`, and the CPU
+int8-activation decode kernels of `schedules.cpu.int8_*`.
 
 The TIR pieces need TVM and the int8 group builders import `schedules`, which imports the
 registry: a family therefore names them with `Lazy(module, name)`, resolved on first call,
@@ -39,10 +39,11 @@ class Lazy:
 
 @dataclass(frozen=True)
 class LeadingScale:
-    """Every 32 weights start with an f16 scale `d` (the legacy formats). Column tiles then
-    load 8 or 16 rows' scales as one vector instead of decoding each row's group. The
-    offset is the f16 min stored right after `d` when `code_shift` is None, else
-    `d * code_shift` (the shift that makes the codes unsigned: q4_0 -8, q8_0 -128)."""
+    """Every 32 weights start with an f16 scale `d` (the legacy formats, iq4_nl). Column
+    tiles then load 8 or 16 rows' scales as one vector instead of decoding each row's group.
+    The offset is the f16 min stored right after `d` when `code_shift` is None, else
+    `d * code_shift` (the shift that makes the codes unsigned: q4_0 -8, q8_0 and iq4_nl
+    -128, the VNNI tiles' flip of their signed codes)."""
 
     code_shift: float | None = None
 
@@ -58,7 +59,7 @@ class Int8Codes:
     """
 
     group: Callable
-    signed: bool = False  # codes are int8 (q8_0): the kernels use a sign trick
+    signed: bool = False  # codes are int8 (q8_0, the i-quants): the kernels use a sign trick
     split_halves: bool = False  # the two 16-weight halves have their own scale and offset
     max_code: int | None = None  # largest unsigned code; column tiles need it (int16 sums)
     # `batch_decode` takes the AVX2 column tiles at every batch size, else the row tiles

@@ -1,6 +1,6 @@
 """The one table of weight block formats: `QUANT_FORMATS`, name -> `QuantFormat`.
 
-The family packages (`legacy`, `kquants`) register their formats when
+The family packages (`legacy`, `kquants`, `iquants`) register their formats when
 `tallow.compiler.quant` is imported; the compiler, the model definitions, the schedules,
 the GGUF reader and the CLI all read this table, so a new format is one new module that
 calls `register_format`. Order matters only for listing (help texts, tests): a format's

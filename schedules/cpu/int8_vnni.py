@@ -208,7 +208,18 @@ def tile_macro(qtype: str, groups: int):
     def legacy_scale(sc):
         return lambda h: sc.vload([h * COLS], "float32x16")
 
+    # signed codes are flipped to code + 128 (`step_vectors`): the offset takes -128 times
+    # the scale, which a leading scale's `code_shift` holds already (q8_0, iq4_nl) and the
+    # groups' own offsets do not (iq4_xs)
+    flip_offset = codes_of(qtype).signed and codes_of(qtype).leading_scale is None
+
     def legacy_offset(sc):
+        if flip_offset:
+            return lambda h: (
+                sc.vload([(2 + h) * COLS], "float32x16")
+                + sc.vload([h * COLS], "float32x16")
+                * tirx.Broadcast(tirx.const(-128.0, "float32"), COLS)
+            )
         return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
 
     @T.macro

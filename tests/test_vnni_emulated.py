@@ -1,0 +1,90 @@
+"""The AVX-512 VNNI int8 kernels' logic on any x86 CPU with AVX2: `vpdpbusd` emulated.
+
+`test_int8_decode` and `test_int8_prefill` run the VNNI kernels only on CPUs that have the
+instruction. Here every other part of them (each format's code and scale decoding, the
+transposes, the signed codes' flip to `code + 128` and its offset, the tails) runs on this
+CPU: `int8_vnni._vpdpbusd`, the one AVX-512 VNNI intrinsic, is replaced by the same
+arithmetic in plain TIR (unsigned by signed byte products widened to int32, each lane's 4
+summed, no saturation: the instruction's definition), which LLVM lowers onto 256-bit
+vectors. What this cannot show: the instruction itself and the AVX-512 code generation.
+
+The oracle is `test_int8_decode`'s: `gguf.quants.dequantize` of the weights times the
+activations rounded as `cpu.int8_ops` documents, in numpy float64. Checked to fail (max
+error 1043) with iq4_xs's flip offset left out of `int8_vnni.tile_macro`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from test_int8_decode import TARGET, _activations, _build, _check, _oracle, _weights
+from tvm import tirx
+
+from tallow.compiler.quant import QUANT_FORMATS
+from tallow.schedules.cpu import int8_gemv, int8_vnni, int8_vnni_legacy, int8_vnni_row
+from tallow.schedules.cpu.int8_prefill import prefill_kernel
+
+pytestmark = pytest.mark.skipif(not int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
+
+
+def _vpdpbusd_in_plain_tir(acc, codes, x):
+    """acc (int32x16) plus, per lane i, sum over j < 4 of u8 codes[4i + j] * s8 x[4i + j]."""
+    products = tirx.Cast("int32x64", tirx.reinterpret("uint8x64", codes)) * tirx.Cast(
+        "int32x64", tirx.reinterpret("int8x64", x)
+    )
+    parts = [
+        tirx.Shuffle([products], [tirx.const(4 * i + j, "int32") for i in range(16)])
+        for j in range(4)
+    ]
+    return acc + parts[0] + parts[1] + parts[2] + parts[3]
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row):  # each holds its own name
+        monkeypatch.setattr(module, "_vpdpbusd", _vpdpbusd_in_plain_tir)
+
+
+def _k(qtype: str, legacy: int, blocks: int) -> int:
+    return legacy if QUANT_FORMATS[qtype].block_size == 32 else blocks
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_vnni_row_kernel(emulated, qtype):
+    """`decode`'s VNNI one-row kernel (`int8_vnni_row`): 22 groups (16 and a tail of 6) or
+    3 super-blocks, and a row of 2 groups shorter than the legacy 64-byte window."""
+    for k in (_k(qtype, 704, 768), _k(qtype, 64, 512)):
+        blocks, deq = _weights(qtype, 32, k, seed=31)
+        x = _activations(1, k, seed=32)
+        kernel = _build(int8_gemv.gemv_kernel(qtype, 32, k, 1, vnni=True))
+        _check(kernel(x, blocks, 32), x, deq)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_vnni_tiles(emulated, qtype):
+    """`batch_decode`'s 16-column tiles (`int8_vnni`): partial, whole and several tiles of
+    sequences, four 16-column blocks."""
+    k, n = _k(qtype, 96, 512), 64
+    blocks, deq = _weights(qtype, n, k, seed=21)
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    for batch in (1, 13, 16, 19, 33):
+        x = _activations(batch, k, seed=22 + batch)
+        _check(kernel(x, blocks, n), x, deq)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_vnni_prefill(emulated, qtype):
+    """Prefill's int8 tiles (`int8_prefill`: the VNNI tiles over token rows)."""
+    k, n = _k(qtype, 96, 512), 64
+    blocks, deq = _weights(qtype, n, k, seed=51)
+    func = prefill_kernel(qtype, n, k).with_attr("global_symbol", "main")
+    with TARGET:
+        lib = tvm.compile(tvm.IRModule({"main": func}), TARGET)
+    for tokens in (3, 37):
+        x = _activations(tokens, k, seed=52 + tokens)
+        out = tvm.runtime.empty((1, tokens, n), "float32")
+        lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)
+        ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq))
+        err = np.abs(out.numpy().reshape(tokens, n) - ref)
+        assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} tokens: max err {err.max()}"
