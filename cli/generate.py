@@ -10,6 +10,7 @@ import sys
 import time
 
 from tallow.cli.sampling_flags import sampling_defaults
+from tallow.cli.speculative_flags import speculative_config
 from tallow.runtime.detokenizer import IncrementalDetokenizer
 from tallow.runtime.errors import TallowError
 from tallow.runtime.generate import GenerationStats, generate_tokens
@@ -62,7 +63,10 @@ def run_generate(args) -> int:
         SamplingParams(max_tokens=args.max_tokens).validate()
     except SamplingParamsError as e:
         raise TallowError(str(e)) from e
+    speculative = speculative_config(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if speculative is not None:
+        return _generate_speculative(args, prompt, speculative)
     t_load = time.perf_counter()
     runner = TVMModelRunner(
         args.artifact,
@@ -95,6 +99,49 @@ def run_generate(args) -> int:
         f"load {load_seconds:.2f}s{loaded} | prompt {stats.prompt_tokens} tokens, "
         f"{stats.prefill_tok_s:.1f} tok/s | generated {stats.generated_tokens} tokens, "
         f"{stats.decode_tok_s:.1f} tok/s | finish: {stats.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _generate_speculative(args, prompt: str, speculative) -> int:
+    """`--speculative`: the request runs through the serving engine, which verifies
+    proposals (`runtime/speculative.py`); the summary adds the acceptance rate."""
+    from tallow.runtime.engine_factory import EngineOptions, build_engine
+    from tallow.runtime.generate import generate_text_with_engine
+
+    t_load = time.perf_counter()
+    options = EngineOptions(
+        device=args.device, max_num_seqs=1, threads=args.threads, speculative=speculative
+    )
+    engine = build_engine(args.artifact, options)
+    load_seconds = time.perf_counter() - t_load
+    if not engine.supports_generation:
+        raise TallowError(f"{args.artifact} was compiled with --task embed: embeddings only")
+    model = engine.model
+    params = sampling_params(args, model)
+    prompt_ids = encode_prompt(model, prompt, args.chat, args.system)
+    stats = GenerationStats()
+    try:
+        for text in generate_text_with_engine(engine, prompt_ids, params, stats):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except ValueError as e:
+        raise TallowError(str(e)) from e
+    sys.stdout.write("\n")
+    spec = engine.scheduler.speculation
+    rate = (
+        "off"
+        if spec is None
+        else (
+            f"{spec.stats.accepted} of {spec.stats.proposed} proposed tokens accepted "
+            f"({100 * spec.stats.acceptance_rate:.0f}%)"
+        )
+    )
+    print(
+        f"load {load_seconds:.2f}s | prompt {stats.prompt_tokens} tokens, "
+        f"{stats.prefill_tok_s:.1f} tok/s | generated {stats.generated_tokens} tokens, "
+        f"{stats.decode_tok_s:.1f} tok/s | finish: {stats.finish_reason} | speculative: {rate}",
         file=sys.stderr,
     )
     return 0

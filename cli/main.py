@@ -17,6 +17,7 @@ from tallow.cli.eval import add_eval_parser, run_eval
 from tallow.cli.inspect import add_inspect_parser, run_inspect
 from tallow.cli.sampling_flags import add_sampling_flags, check_sampling_flags
 from tallow.cli.serve import add_serve_parser, run_serve
+from tallow.cli.speculative_flags import add_speculative_flags
 from tallow.runtime.errors import TallowError
 
 
@@ -201,6 +202,7 @@ def _add_generate(sub) -> None:
     add_sampling_flags(p, "the command line")
     p.add_argument("--seed", type=int, help="sampling seed, for reproducible output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    add_speculative_flags(p)
     add_device(p)
     p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 

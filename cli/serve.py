@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tallow.cli.arg_types import THREADS_HELP, add_device, positive_int
 from tallow.cli.sampling_flags import add_sampling_flags, sampling_defaults
+from tallow.cli.speculative_flags import add_speculative_flags, speculative_config
 from tallow.runtime.errors import TallowError
 from tallow.server.paths import routes_help
 
@@ -92,6 +93,7 @@ def add_serve_parser(sub, artifact_type, artifact_help: str) -> None:
         help="seconds a client gets to send a whole request, headers and body (default 30)",
     )
     add_sampling_flags(p, "a request")
+    add_speculative_flags(p)
     add_device(p)
     p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
@@ -127,6 +129,7 @@ def run_serve(args) -> int:
 
 
 def _serve_on(args, listener) -> int:
+    speculative = speculative_config(args)  # a bad value is reported before the model loads
     folder = args.artifact
     if folder is None:
         folder = default_artifact()
@@ -161,6 +164,7 @@ def _serve_on(args, listener) -> int:
             prefix_cache_max_tokens=args.prefix_cache_max_tokens,
             threads=args.threads,
             deterministic=args.deterministic,
+            speculative=speculative,
         ),
     )
     try:

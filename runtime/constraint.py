@@ -238,6 +238,14 @@ class GrammarMatcher:
         """Advance by one sampled token; False (and a dead end from now on) if not allowed."""
         return self._m.consume_token(int(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (nothing consumed)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` accepted tokens."""
+        self._m.rollback(int(count))
+
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and nothing more may follow (only EOS is allowed)."""

@@ -109,6 +109,17 @@ class DeviceKind:
     # The weights go into one host mapping with huge pages (host_weights.py), not one TVM
     # allocation each.
     huge_page_weights: bool = False
+    # Speculative verification (every fed token's logits, no prefill chunk in the step) runs
+    # `batch_decode` over the tokens: the paged cache takes several tokens of one sequence
+    # there too, and the decode matmul kernels cost 0.7x the prefill ones at 5 rows (CPU,
+    # SmolLM2-135M: 19.7 against 28.3 ms). Elsewhere `batch_prefill` at every position,
+    # until the decode functions' CUDA graphs and buckets have been checked with it.
+    verifies_in_decode: bool = False
+    # A forward's cost per row relative to its fixed cost, for how much to speculate
+    # (`speculative.SpeculationPolicy`): measured on the CPU (0.25, SmolLM2-135M Q4_1, one
+    # thread, Zen 3); on GPUs decode stays bound by weight reads to large batches, a guess
+    # not yet measured on a device.
+    verify_row_cost: float = 0.02
 
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
@@ -121,6 +132,8 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         sets_cpu_threads=True,
         probe=False,
         huge_page_weights=True,
+        verifies_in_decode=True,
+        verify_row_cost=0.25,
     ),
     "cuda": DeviceKind(
         name="cuda",

@@ -101,6 +101,7 @@ class Engine:
             self._table, self.scheduler, self.sampling, self.eos_token_ids
         )
         self._masks = GrammarMasks()
+        self.scheduler.grammar_prefix = self._grammar_prefix
         self._scoring = PromptScoring(runner, self._table)
         self._step_loop = StepLoop(
             lambda: self.run_step(), lambda: self._has_work(), lambda e: self._fail_all(e)
@@ -354,7 +355,11 @@ class Engine:
         scored, out = self._scoring.split(out)
         try:
             scored_logits = self._scoring.run(scored) if scored else None
-            logits = self.runner.forward(out.forward_items) if out.items else None
+            logits = None
+            if out.items:  # every verified token's logits when speculating
+                rows = out.num_logits
+                args = (out.forward_items,) if rows is None else (out.forward_items, rows)
+                logits = self.runner.forward(*args)
         except Exception as e:  # noqa: BLE001 - the batch fails; the engine serves on
             self._fail_batch([*scored, *out.items], e)
             return
@@ -364,6 +369,11 @@ class Engine:
         self.mask_wait_s += masks.wait_s
         more = [(scored, scored_logits)] if scored else []
         self._postprocess.run(out.items, logits, row_masks, failed, more)
+
+    def _grammar_prefix(self, seq, tokens: list[int]) -> int:
+        """How many of `tokens` (speculative proposals) `seq`'s grammar allows next."""
+        matcher = self._table.by_seq[seq.seq_id].matcher
+        return len(tokens) if matcher is None else matcher.valid_prefix(tokens)
 
     def _drain_inbox(self) -> None:
         for apply in self._inbox.take():
@@ -448,6 +458,8 @@ class Engine:
 
     def _collect_stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        policy = self.scheduler.speculation
+        spec = policy.stats if policy is not None else None
         return EngineStats(
             num_waiting=s.num_waiting,
             num_running=s.num_running,
@@ -460,4 +472,6 @@ class Engine:
             num_steps=self._num_steps,
             last_step_latency_s=self._last_latency,
             avg_step_latency_s=self._total_latency / self._num_steps if self._num_steps else 0.0,
+            spec_proposed_tokens=spec.proposed if spec else 0,
+            spec_accepted_tokens=spec.accepted if spec else 0,
         )

@@ -7,6 +7,7 @@ after the weights (GPU: free device memory; CPU: available RAM). It is never mor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from .library_select import LibraryChoice, choose_library
 from .manifest import DTYPE_BYTES, Manifest
 from .model_runner import KVCacheConfig, TVMModelRunner
 from .scheduler import SchedulerConfig
+from .speculative import NgramProposer, SpeculationPolicy, SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class EngineOptions:
     # Batch-invariant outputs: a request's tokens and logprobs the same bits whatever runs
     # beside it (docs/cpu-kernels.md#deterministic-mode); no prefix cache.
     deterministic: bool = False
+    # Speculative decoding (`speculative.py`); None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -130,9 +134,24 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
         deterministic=options.deterministic,
     )
     tok = runner.tokenizer
-    return Engine(
+    engine = Engine(
         runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
     )
+    engine.scheduler.speculation = _speculation(options, runner)
+    return engine
+
+
+def _speculation(options: EngineOptions, runner: TVMModelRunner) -> SpeculationPolicy | None:
+    spec = options.speculative
+    if spec is None:
+        return None
+    if options.deterministic:
+        # Verification runs several tokens of a sequence through other kernels than decode:
+        # the bits would depend on what was proposed. Off, so the promise holds.
+        log.warning("--deterministic: speculative decoding is off (its bits would differ)")
+        return None
+    spec = dataclasses.replace(spec, row_cost=runner.device_kind.verify_row_cost)
+    return SpeculationPolicy(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
 
 
 def _warn_if_not_batch_invariant(runner: TVMModelRunner) -> None:

@@ -196,19 +196,24 @@ class FakeModelRunner:
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         return rng.standard_normal(self.hidden_size).astype(np.float32)
 
-    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
+    def forward(self, items: list[tuple[int, list[int]]], num_logits=None) -> np.ndarray:
         if not self.supports_generation:
             raise RuntimeError("an embedding-only runner has no logits")
         self._check_items(items)
+        counts = [1] * len(items) if num_logits is None else list(num_logits)
+        if not all(1 <= c <= len(t) for c, (_, t) in zip(counts, items, strict=True)):
+            raise ValueError("num_logits: between 1 and the item's token count")
         self.forward_log.append([(sid, list(toks)) for sid, toks in items])
-        out = np.empty((len(items), self.vocab_size), dtype=np.float32)
-        for row, (sid, toks) in enumerate(items):
+        out = []
+        for (sid, toks), count in zip(items, counts, strict=True):
             seq = self._seqs[sid]
             self._append(seq, toks)
             self.tokens_computed += len(toks)
-            out[row] = self._logits(self._history(seq))
-        self._last_logits = out
-        return out
+            history = self._history(seq)
+            out += [self._logits(history[: len(history) - i]) for i in range(count - 1, -1, -1)]
+        logits = np.stack(out) if out else np.zeros((0, self.vocab_size), np.float32)
+        self._last_logits = logits
+        return logits
 
     def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         if not self.supports_generation:

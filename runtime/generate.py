@@ -79,3 +79,32 @@ def generate_tokens(
         stats.decode_seconds = time.perf_counter() - t0
     finally:
         runner.remove_sequence(SEQ_ID)
+
+
+def generate_text_with_engine(
+    engine, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats
+) -> Iterator[str]:
+    """One request through an `Engine` (as `tallow generate --speculative` runs it): the
+    text of each output as it comes; fills `stats` (prefill: up to the first output)."""
+    outputs: list = []
+    stats.prompt_tokens = len(prompt_ids)
+    t0 = time.perf_counter()
+    engine.submit(prompt_ids, params, outputs.append)
+    first = None
+    while engine._has_work():
+        engine.run_step()
+        for out in outputs:
+            if isinstance(out, BaseException):
+                raise out
+            if first is None:
+                first = time.perf_counter()
+                stats.prefill_seconds = first - t0
+            for delta in out.outputs:
+                stats.generated_tokens += len(delta.token_ids)
+                stats.generated_tokens += delta.finish_reason == "stop"  # its stop token
+                stats.finish_reason = delta.finish_reason or stats.finish_reason
+                if delta.text:
+                    yield delta.text
+        outputs.clear()
+    if first is not None:
+        stats.decode_seconds = time.perf_counter() - first

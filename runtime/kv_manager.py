@@ -171,6 +171,11 @@ class KVCacheManager:
         elif seq.seq_id not in res.evicted:
             self._backend.remove_sequence(seq.seq_id)
 
+    def rollback(self, seq: SequenceState, num_tokens: int) -> None:
+        """Drop the last `num_tokens` of KV that `seq` appended in the last forward beyond
+        its computed tokens (speculative proposals that were not accepted)."""
+        self._backend.popn(seq.seq_id, num_tokens)
+
     def evict_one(self) -> bool:
         """Free the least recently used idle prefix-cache entry; False when there is none."""
         if self.prefix_cache is None:

@@ -224,9 +224,10 @@ class TVMModelRunner:
     def num_free_pages(self) -> int:
         return int(self._free_pages(self.kv_cache)) - self._padding_slots
 
-    def forward(self, items: list[tuple[int, list[int]]]):
-        """Append each item's tokens to its sequence; float32 logits [items, vocab] of each
-        last token: a host array on the CPU, a `DeviceLogits` (copied when read) elsewhere."""
+    def forward(self, items: list[tuple[int, list[int]]], num_logits=None):
+        """Append each item's tokens to its sequence; float32 logits of each item's last
+        `num_logits[i]` tokens (default 1), item after item: a host array on the CPU, a
+        `DeviceLogits` (copied when read) elsewhere."""
         if not items:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         if not self.supports_generation:
@@ -234,16 +235,42 @@ class TVMModelRunner:
         lengths = [len(toks) for _, toks in items]
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
-        if self.batch_invariant and 1 in lengths and max(lengths) > 1:
+        counts = [1] * len(items) if num_logits is None else list(num_logits)
+        if not all(1 <= c <= n for c, n in zip(counts, lengths, strict=True)):
+            raise ValueError("num_logits: between 1 and the item's token count")
+        rows = sum(counts)
+        if rows > len(items) and counts == lengths and self.device_kind.verifies_in_decode:
+            logits = self._run_tokens_as_rows(items)
+        elif rows > len(items):
+            ends = np.cumsum(lengths)
+            positions = [np.arange(e - c, e) for e, c in zip(ends, counts, strict=True)]
+            logits = self._run(items, np.concatenate(positions).astype(np.int32))
+        elif self.batch_invariant and 1 in lengths and max(lengths) > 1:
             logits = self._run_apart(items)
         else:
             logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
-        self._last_logits = (logits, len(items))
+        self._last_logits = (logits, rows)
         if self.device_kind.shares_host_memory:
             # The logits already are host memory: a view (it keeps the tensor alive) instead
             # of a copy, which took about 1 ms of a 16-sequence decode step (3 MB, cold).
-            return np.from_dlpack(logits).reshape(len(items), self.vocab_size)
-        return DeviceLogits(logits, len(items), self.vocab_size)
+            return np.from_dlpack(logits).reshape(rows, self.vocab_size)
+        return DeviceLogits(logits, rows, self.vocab_size)
+
+    def _run_tokens_as_rows(self, items: list[tuple[int, list[int]]]):
+        """`batch_decode` over every token of the items, one row each: speculative
+        verification (`DeviceKind.verifies_in_decode`). The cache attends each token to its
+        sequence's earlier ones and those before it in the item, as in a prefill."""
+        tvm = self._tvm
+        ids = np.fromiter((t for _, toks in items for t in toks), dtype=np.int32)
+        embeds = self._funcs["embed"](tvm.runtime.tensor(ids, self.device), self.params)
+        embeds = embeds._create_view((int(ids.size), 1, self.hidden_size))
+        seq_ids = tvm.runtime.ShapeTuple([s for s, _ in items])
+        self._begin(self.kv_cache, seq_ids, tvm.runtime.ShapeTuple([len(t) for _, t in items]))
+        try:
+            logits, _ = self._funcs["batch_decode"](embeds, self.kv_cache, self.params)
+        finally:
+            self._end(self.kv_cache)
+        return logits
 
     def forward_prompt_logits(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
         """Append each item's tokens to its sequence; float32 logits after every fed token,

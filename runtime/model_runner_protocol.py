@@ -119,11 +119,15 @@ class ModelExecutor(Protocol):
         """
         ...
 
-    def forward(self, items: list[tuple[int, list[int]]]) -> np.ndarray:
+    def forward(
+        self, items: list[tuple[int, list[int]]], num_logits: list[int] | None = None
+    ) -> np.ndarray:
         """Append each item's tokens to its sequence's KV and run the model once.
 
         Prefill chunks and single-token decodes may be mixed. Returns float32 logits of shape
-        [len(items), vocab_size] for the last token of each item, in item order.
+        [sum(num_logits), vocab_size]: for each item in order, the rows after its last
+        `num_logits[i]` tokens (default one row, the last token's; speculative verification
+        asks for every fed token's).
         """
         ...
 

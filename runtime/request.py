@@ -112,6 +112,14 @@ class ScheduledItem:
     seq: SequenceState
     token_ids: list[int]  # the tokens fed this step
     sample: bool  # the chunk ends at the last known token, so its logits give the next one
+    # Speculative decoding: tokens proposed after the sequence's last one, fed after it
+    # (`token_ids` ends with them); every fed token's logits come back, to verify them.
+    proposals: list[int] = field(default_factory=list)
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the forward returns for this item."""
+        return 1 + len(self.proposals)
 
 
 @dataclass
@@ -128,6 +136,13 @@ class SchedulerOutput:
     @property
     def forward_items(self) -> list[tuple[int, list[int]]]:
         return [(it.seq.seq_id, it.token_ids) for it in self.items]
+
+    @property
+    def num_logits(self) -> list[int] | None:
+        """Logit rows per item for `forward` (None: one each, no item speculates)."""
+        if not any(it.proposals for it in self.items):
+            return None
+        return [it.num_logits for it in self.items]
 
     @property
     def empty(self) -> bool:
@@ -216,3 +231,6 @@ class EngineStats:
     num_steps: int
     last_step_latency_s: float
     avg_step_latency_s: float
+    # speculative decoding: tokens proposed and accepted by verification, in all
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0

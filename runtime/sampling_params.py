@@ -40,6 +40,8 @@ class SamplingParams:
     # plus the k most likely tokens at its position (the first token has none). With it,
     # max_tokens may be 0: the prompt is scored and nothing is generated.
     prompt_logprobs: int | None = None
+    # False: this request never speculates (`speculative.py`), whatever the server does.
+    speculative: bool = True
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:

@@ -37,6 +37,7 @@ import bisect
 import contextlib
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tallow.runtime.fairness import RoundRobin
@@ -52,6 +53,7 @@ from tallow.runtime.request import (
     SequenceStatus,
 )
 from tallow.runtime.sampling_params import SamplingParamsError
+from tallow.runtime.speculative import SpeculationPolicy
 
 
 @dataclass
@@ -115,6 +117,12 @@ class Scheduler:
         self._turns = RoundRobin()
         self._overtaken = 0  # steps the current waiting head was blocked and overtaken
         self._blocked_head: SequenceState | None = None
+        # Speculative decoding's policy (None: off), and the proposals in the cache that the
+        # last step's verification has not settled yet (seq_id -> count).
+        self.speculation: SpeculationPolicy | None = None
+        self._unverified: dict[int, int] = {}
+        # How many of some proposals a constrained sequence's grammar allows (the engine's).
+        self.grammar_prefix: Callable[[SequenceState, list[int]], int] | None = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -197,6 +205,9 @@ class Scheduler:
             # else: the last running sequence was just preempted; admit on a fresh pass.
 
     def _schedule_once(self) -> SchedulerOutput:
+        for seq in self.running:  # proposals of a step that failed before verifying
+            if seq.seq_id in self._unverified:
+                self.commit_speculation(seq, 0)
         out = SchedulerOutput()
         kv = self.kv
         kv.begin_batch()
@@ -212,13 +223,18 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
+        proposals = self._proposals(decodes, budget - len(decodes))
         for s in decodes:
-            kv.plan_append(s, 1, with_forks=True)
-            out.items.append(ScheduledItem(s, [s.token_ids[-1]], sample=True))
-            s.num_computed_tokens += 1
+            extra = proposals.get(s.seq_id, [])
+            kv.plan_append(s, 1 + len(extra), with_forks=True)
+            item = ScheduledItem(s, [s.token_ids[-1], *extra], sample=True, proposals=extra)
+            out.items.append(item)
+            s.num_computed_tokens += 1  # the proposals count once verified (`commit_...`)
+            if extra:
+                self._unverified[s.seq_id] = len(extra)
             # deterministic: the decodes run as a forward of their own (runner.forward)
-            budget -= 0 if self.config.deterministic else 1
-            out.num_decode_tokens += 1
+            budget -= 0 if self.config.deterministic else 1 + len(extra)
+            out.num_decode_tokens += 1 + len(extra)
         scheduled = {s.seq_id for s in decodes}
 
         # 2. Prefill chunks and admissions, shared round-robin across requests. No admissions
@@ -226,6 +242,38 @@ class Scheduler:
         self._schedule_prefills(out, budget, scheduled, admit=not out.preempted)
         out.new_pages = kv.planned_pages
         return out
+
+    def _proposals(self, decodes: list[SequenceState], budget: int) -> dict[int, list[int]]:
+        """Speculative tokens per decoding sequence (`speculative.py`), within the token
+        budget and the free pages left after every decode's own token."""
+        if self.speculation is None or budget <= 0 or not decodes:
+            return {}
+        kv = self.kv
+        free = kv.num_free_pages() - sum(kv.append_pages(s, 1) for s in decodes)
+        plan = self.speculation.plan(decodes, budget)
+        for s in decodes:
+            extra = plan.get(s.seq_id)
+            if not extra:
+                continue
+            room = self.context_window - s.num_computed_tokens - 1
+            extra = extra[: max(room, 0)]
+            if self.grammar_prefix is not None and s.request.params.grammar is not None:
+                extra = extra[: self.grammar_prefix(s, extra)]  # what its grammar allows
+            while extra and kv.append_pages(s, 1 + len(extra)) - kv.append_pages(s, 1) > free:
+                extra.pop()
+            free -= kv.append_pages(s, 1 + len(extra)) - kv.append_pages(s, 1)
+            plan[s.seq_id] = extra
+        return plan
+
+    def commit_speculation(self, seq: SequenceState, kept: int) -> None:
+        """After verification: `kept` of the sequence's proposals stay in its KV (their
+        tokens are now in `token_ids`), the rest of them leave the cache."""
+        proposed = self._unverified.pop(seq.seq_id, 0)
+        if not 0 <= kept <= proposed:
+            raise ValueError(f"kept {kept} of {proposed} proposals")
+        if proposed > kept:
+            self.kv.rollback(seq, proposed - kept)
+        seq.num_computed_tokens += kept
 
     def _schedule_prefills(
         self, out: SchedulerOutput, budget: int, scheduled: set[int], admit: bool
@@ -367,6 +415,10 @@ class Scheduler:
     def finish(self, seq: SequenceState, reason: FinishReason) -> None:
         """Retire a sequence; its KV becomes a prefix-cache entry unless it was aborted or
         embedded."""
+        if seq.seq_id in self._unverified:  # its step failed: the proposals leave the cache
+            self.commit_speculation(seq, 0)
+        if self.speculation is not None:
+            self.speculation.forget(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             keep = reason != "abort" and not seq.request.embed

@@ -29,6 +29,7 @@ from tallow.runtime.request import (
 )
 from tallow.runtime.request_table import RequestTable
 from tallow.runtime.scheduler import Scheduler
+from tallow.runtime.speculative import SpeculativeRuns, VerifiedRun, merge_deltas
 from tallow.runtime.step_sampling import Histories, StepSampler
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,29 @@ class StepPostprocessor:
         failed = {} if failed is None else failed
         per_request: dict[str, list[CompletionDelta]] = {}
         sampled: list[Sampled] = []
+        runs = SpeculativeRuns()
         for batch, batch_logits in [(items, logits), *more]:
-            rows, states, row_masks = self._rows_to_sample(batch, masks, failed, per_request)
-            sampled += self._sample(batch_logits, rows, states, row_masks, failed)
+            entries = self._rows_to_sample(batch, masks, failed, per_request, runs)
+            sampled += self._sample(batch_logits, *entries, failed)
         for st, token, lp in sampled:
             rid = st.seq.request.request_id
             if rid in failed:
                 continue
+            if runs.collect(st, token, lp):
+                continue  # a verified item's rows: accepted together below
             try:
                 delta = self._accept(st, token, lp)
             except Exception as e:  # noqa: BLE001 - e.g. its detokenizer or stop strings
+                failed[rid] = e
+                continue
+            per_request.setdefault(rid, []).append(delta)
+        for st, run in runs.ready():
+            rid = st.seq.request.request_id
+            if rid in failed:
+                continue
+            try:
+                delta = self._accept_run(st, run)
+            except Exception as e:  # noqa: BLE001 - as above
                 failed[rid] = e
                 continue
             per_request.setdefault(rid, []).append(delta)
@@ -93,16 +107,40 @@ class StepPostprocessor:
         masks: dict[int, np.ndarray],
         failed: dict[str, BaseException],
         per_request: dict[str, list[CompletionDelta]],
-    ) -> tuple[list[int], list[CompletionStream], list[np.ndarray | None]]:
-        """The (row, stream, mask) of every stream that samples from `items`' rows; streams
-        that end here instead (a grammar's end, max_tokens 0) are retired into
-        `per_request`."""
+        runs: SpeculativeRuns,
+    ) -> tuple[list[int], list[CompletionStream], list[np.ndarray | None], list[list[int]]]:
+        """The (row, stream, mask, proposals before the row) of every stream that samples
+        from `items`' rows; streams that end here instead (a grammar's end, max_tokens 0) are
+        retired into `per_request`. A verified item samples each of its rows (`runs`)."""
         rows: list[int] = []
         states: list[CompletionStream] = []
         row_masks: list[np.ndarray | None] = []
-        for row, item in enumerate(items):
+        before: list[list[int]] = []
+        first = 0  # the item's first logits row
+        for item in items:
+            row, first = first + item.num_logits - 1, first + item.num_logits
             if not item.sample:
                 continue  # a prefill chunk short of the prompt's end: its logits are unused
+            if item.proposals and item.seq.request.request_id not in failed:
+                st = self.table.by_seq[item.seq.seq_id]
+                try:
+                    mask = masks.get(item.seq.seq_id)
+                    ended = self._ends_unsampled(st, mask)
+                    if ended is not None:  # its grammar is done: no row samples
+                        delta = self.table.retire(st, st.finish(ended))
+                        per_request.setdefault(st.seq.request.request_id, []).append(delta)
+                        continue
+                    spec_masks = self._proposal_masks(st, item.proposals, mask)
+                except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                    failed[st.seq.request.request_id] = e
+                    continue
+                runs.add(st, item.proposals)
+                for j, m in enumerate(spec_masks):
+                    rows.append(row - len(item.proposals) + j)
+                    states.append(st)
+                    row_masks.append(m)
+                    before.append(item.proposals[:j])
+                continue
             seq = item.seq
             rid = seq.request.request_id
             if rid in failed:
@@ -119,9 +157,10 @@ class StepPostprocessor:
                     rows.append(row)
                     states.append(st)
                     row_masks.append(mask if st.matcher is not None else None)
+                    before.append([])
             except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
                 failed[rid] = e
-        return rows, states, row_masks
+        return rows, states, row_masks, before
 
     def _ends_unsampled(self, st: CompletionStream, mask: np.ndarray | None) -> FinishReason | None:
         """Why a stream ends before sampling (None: it samples): max_tokens 0 (a prompt
@@ -153,6 +192,7 @@ class StepPostprocessor:
         rows: list[int],
         states: list[CompletionStream],
         row_masks: list[np.ndarray | None],
+        before: list[list[int]],
         failed: dict[str, BaseException],
     ) -> list[Sampled]:
         """One token per stream. If the batched call raises, each stream is sampled on its
@@ -170,7 +210,7 @@ class StepPostprocessor:
                 [st.seq.request.params for st in sts],
                 [st.generator for st in sts],
                 Histories([st.seq for st in sts], prompt=True),
-                Histories([st.seq for st in sts], prompt=False),
+                Histories([st.seq for st in sts], prompt=False, extra=[before[i] for i in idx]),
                 ms if any(m is not None for m in ms) else None,
             )
             result = []
@@ -199,6 +239,32 @@ class StepPostprocessor:
                 failed[rid] = e
         return result
 
+    def _proposal_masks(self, st: CompletionStream, proposals: list[int], first) -> list:
+        """The mask of each verified row: the grammar's after the proposals before it (all
+        None without one). Rows after a proposal that completes or closes the grammar are not
+        sampled: the run ends there, and the next step finishes the sequence."""
+        matcher = st.matcher
+        if matcher is None:
+            return [None] * (1 + len(proposals))
+        out, consumed = [first], 0
+        try:
+            for token in proposals:
+                if not matcher.accept(token):
+                    break
+                consumed += 1
+                if matcher.is_finished or matcher.is_dead_end:
+                    break
+                mask = matcher.tokenizer.empty_masks(1)[0]
+                matcher.fill_mask(mask)
+                if st.seq.request.params.ignore_eos:
+                    disallow_tokens(mask, matcher.tokenizer.eos_token_ids)
+                if not mask.any():
+                    break
+                out.append(mask)
+        finally:
+            matcher.rollback(consumed)
+        return out
+
     def _grammar_end(self, st: CompletionStream, mask: np.ndarray | None) -> FinishReason | None:
         """Why a constrained sequence ends before sampling (None: it samples from `mask`)."""
         matcher = st.matcher
@@ -217,7 +283,27 @@ class StepPostprocessor:
 
     def _accept(self, st: CompletionStream, token: int, lp: TokenLogprob | None) -> CompletionDelta:
         """Append a sampled token, count it, and retire its sequence if it finished."""
+        return self.table.retire(st, self._append(st, token, lp))
+
+    def _append(self, st: CompletionStream, token: int, lp: TokenLogprob | None) -> CompletionDelta:
         state = self.table.requests[st.seq.request.request_id]
         state.completion_tokens += 1
         self.generated_tokens += 1
-        return self.table.retire(st, st.accept(token, lp, self.eos_token_ids))
+        return st.accept(token, lp, self.eos_token_ids)
+
+    def _accept_run(self, st: CompletionStream, run: VerifiedRun) -> CompletionDelta:
+        """A verified item: its sampled tokens while they equal the proposals, plus the one
+        after (`speculative.py`), as one delta; the rejected proposals leave the KV cache
+        and the stream's generator is left as if only the emitted tokens had drawn."""
+        deltas, accepted = [], 0
+        for j, (token, lp) in enumerate(run.sampled):
+            deltas.append(self._append(st, token, lp))
+            matched = j < len(run.proposals) and token == run.proposals[j]
+            accepted += matched
+            if deltas[-1].finish_reason is not None or not matched:
+                break
+        self.scheduler.commit_speculation(st.seq, len(deltas) - 1)
+        if self.scheduler.speculation is not None:
+            self.scheduler.speculation.record(st.seq.seq_id, len(run.proposals), accepted)
+        run.rewind(st.generator, len(deltas))
+        return self.table.retire(st, merge_deltas(deltas))

@@ -46,12 +46,22 @@ class Histories:
     """Each sequence's prompt (or output) token ids, built only for the rows that read them
     (rows with penalties): most steps have none, and slicing every prompt cost per step."""
 
-    def __init__(self, seqs: Sequence[SequenceState], prompt: bool) -> None:
-        self.seqs, self.prompt = seqs, prompt
+    def __init__(
+        self,
+        seqs: Sequence[SequenceState],
+        prompt: bool,
+        extra: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        # `extra`: tokens after the output, per entry (the proposals before a verified row)
+        self.seqs, self.prompt, self.extra = seqs, prompt, extra
 
     def __getitem__(self, i: int) -> list[int]:
         seq = self.seqs[i]
-        return seq.token_ids[: seq.prompt_len] if self.prompt else seq.output_token_ids
+        if self.prompt:
+            return seq.token_ids[: seq.prompt_len]
+        if self.extra is not None and self.extra[i]:
+            return [*seq.output_token_ids, *self.extra[i]]
+        return seq.output_token_ids
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -45,6 +45,12 @@ class _EngineCollector(Collector):
             "prompt_tokens": ("prompt tokens admitted", s.prompt_tokens),
             "generation_tokens": ("tokens generated", s.generated_tokens),
             "engine_steps": ("engine steps run", s.num_steps),
+            # speculative decoding; the acceptance rate is accepted / proposed
+            "spec_proposed_tokens": ("tokens proposed for verification", s.spec_proposed_tokens),
+            "spec_accepted_tokens": (
+                "proposed tokens the model agreed with",
+                s.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"tallow_{name}", doc, value=value)

@@ -261,6 +261,7 @@ def sampling_params(
         n=req.n,
         grammar=request_grammar(req, model),
         priority=req.priority or 0,
+        speculative=req.speculative is not False,
     )
 
 

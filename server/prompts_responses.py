@@ -138,6 +138,7 @@ def as_chat_request(req: ResponseCreateRequest) -> ChatCompletionRequest:
         top_p=req.top_p,
         seed=req.seed,
         priority=req.priority,
+        speculative=req.speculative,
         tools=tools or None,
         tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls,

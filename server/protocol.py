@@ -135,6 +135,8 @@ class _SamplingRequest(_Strict):
     # vLLM's extension: the order in which waiting requests start (their prefill turns);
     # lower first, 0 by default.
     priority: Priority | None = None
+    # false: this request does not speculate (`tallow serve --speculative`); default true
+    speculative: bool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -182,6 +182,7 @@ class ResponseCreateRequest(_Strict):
     seed: Seed | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     priority: Priority | None = None  # lower starts first (see the chat route)
+    speculative: bool | None = None  # false: no speculative decoding for this request
 
 
 # -- response ----------------------------------------------------------------------------------
