@@ -67,6 +67,11 @@ SHAPES: dict[str, Shape | None] = {
         context=131072,
     ),
     "gemma-3-270m": None,  # copied from the real file (GEMMA_FILE)
+    # SmolLM2-1.7B's shape and SmolLM2's own vocabulary: the embedded 135M model can draft
+    # for it (benchmarks/speculative_decode.py --draft-for)
+    "smollm2-1.7b": Shape(
+        "llama", 2048, 24, 32, 32, 64, 8192, 49152, tied=True, rope_theta=130000.0, context=8192
+    ),
 }  # fmt: skip
 
 

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/speculative_decode.py [--shape smollm2-q4_1]
         [--shape gemma-3-270m-real] [--threads 2] [--rounds 3] [--max-tokens 200]
         [--artifact-dir DIR] [--no-llamacpp]
+    .venv/bin/python benchmarks/speculative_decode.py --draft-for smollm2-1.7b
 
 Four tasks, each a chat prompt applied with the model's own template and answered greedily
 (temperature 0): three grounded in their input (a code file with one identifier renamed, a
@@ -151,6 +152,67 @@ def run_shape(shape: str, args) -> None:
         print(f"{line}   ({tokens})", flush=True)
 
 
+def step_ms(runner, tokens: int, reps: int = 20) -> float:
+    """Median ms of a forward feeding `tokens` tokens of one 200-token sequence, every row's
+    logits (speculative verification; 1: a decode step)."""
+    import statistics
+
+    seq = 90_000
+    runner.add_sequence(seq)
+    runner.forward([(seq, list(range(100, 300)))])
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        runner.forward([(seq, [7] * tokens)], None if tokens == 1 else [tokens])
+        times.append(time.perf_counter() - t)
+        runner.popn(seq, tokens)
+    runner.remove_sequence(seq)
+    return 1000 * statistics.median(times)
+
+
+def draft_costs(target_shape: str, args) -> None:
+    """SmolLM2-135M drafting for a bigger model of its vocabulary (random weights: only the
+    costs are real). Measured: the target's decode step, its verification of k proposals,
+    the draft's decode step; from them, the speed-up at a given acceptance rate alpha,
+    E[tokens] / (verify + k drafts) relative to decode, at the best k. Then end to end: the
+    random target rejects nearly every guess, and the policy must stop drafting."""
+    from tallow.runtime.engine_factory import EngineOptions, build_engine
+    from tallow.runtime.speculative import SpeculativeConfig
+
+    target = bench_files.compiled(bench_files.shape_file(target_shape), args.artifact_dir)
+    draft = bench_files.compiled(bench_files.shape_file(bench_files.SMOLLM2), args.artifact_dir)
+    spec = SpeculativeConfig(kind="draft", draft=str(draft), num_speculative_tokens=args.k)
+    fast = build_engine(target, EngineOptions(threads=args.threads, speculative=spec))
+    plain = build_engine(target, EngineOptions(threads=args.threads))
+    decode = step_ms(fast.runner, 1)
+    draft_step = step_ms(fast.scheduler.speculation.proposer.runner, 1)
+    verify = {k: step_ms(fast.runner, k + 1) for k in range(1, args.k + 1)}
+    print(
+        f"\n{target_shape} drafted by SmolLM2-135M, {args.threads} threads; "
+        f"{bench_files.load_note()}"
+    )
+    print(
+        f"decode {decode:.1f} ms, draft decode {draft_step:.1f} ms, verify k=1..{args.k}: "
+        + ", ".join(f"{v:.1f}" for v in verify.values())
+        + " ms"
+    )
+    for alpha in (0.5, 0.7, 0.8, 0.9):
+        gains = {
+            k: (1 - alpha ** (k + 1)) / (1 - alpha) * decode / (verify[k] + k * draft_step)
+            for k in verify
+        }
+        k = max(gains, key=gains.get)
+        print(f"  alpha {alpha:.1f}: best k {k}, speed-up {gains[k]:.2f}x")
+    ids = plain.model.encode_chat([{"role": "user", "content": TASKS["open chat"]}])
+    a, _ = tallow_decode(plain, ids, args.max_tokens)
+    b, _ = tallow_decode(fast, ids, args.max_tokens)
+    s = fast.scheduler.speculation.stats
+    print(
+        f"  end to end on random weights: {a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x), "
+        f"{s.accepted} of {s.proposed} proposed tokens accepted"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", action="append", help="bench_files.SHAPE_NAMES (repeatable)")
@@ -160,7 +222,13 @@ def main() -> None:
     ap.add_argument("--artifact-dir", type=lambda p: __import__("pathlib").Path(p))
     ap.add_argument("--k", type=int, default=5, help="--num-speculative-tokens")
     ap.add_argument("--no-llamacpp", action="store_true", help="tallow alone")
+    ap.add_argument(
+        "--draft-for", metavar="SHAPE", help="only the draft-model costs, for SHAPE (smollm2-1.7b)"
+    )
     args = ap.parse_args()
+    if args.draft_for:
+        draft_costs(args.draft_for, args)
+        return
     for shape in bench_files.expand(args.shape or [bench_files.SMOLLM2]):
         run_shape(shape, args)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .devices import device_kind
+from .draft_proposer import DraftProposer, check_same_vocabulary
 from .engine import Engine
 from .errors import TallowError
 from .library_select import LibraryChoice, choose_library
@@ -91,12 +92,16 @@ def plan_kv_cache(
     return KVPlan(per_token, tokens, budget)
 
 
+def _weight_bytes(manifest: Manifest, choice: LibraryChoice) -> int:
+    params = manifest.params_for(choice.library)
+    return sum(DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in params)
+
+
 def build_engine(folder: str | Path, options: EngineOptions | None = None) -> Engine:
     options = options or EngineOptions()
     manifest = Manifest.read(Path(folder))
     choice = choose_library(manifest, options.device)
-    params = manifest.params_for(choice.library)
-    weight_bytes = sum(DTYPE_BYTES.get(p.dtype, 1) * math.prod(p.shape) for p in params)
+    weight_bytes = _weight_bytes(manifest, choice)
     plan = plan_kv_cache(manifest, options, weight_bytes, choice)
     chunk = options.prefill_chunk_size
     # Prefix-cache entries are live sequences in the KV cache too.
@@ -137,11 +142,13 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     engine = Engine(
         runner, tokenizer=tok.tokenizer, eos_token_ids=tok.eos_token_ids, scheduler_config=config
     )
-    engine.scheduler.speculation = _speculation(options, runner)
+    engine.scheduler.speculation = _speculation(options, runner, weight_bytes)
     return engine
 
 
-def _speculation(options: EngineOptions, runner: TVMModelRunner) -> SpeculationPolicy | None:
+def _speculation(
+    options: EngineOptions, runner: TVMModelRunner, weight_bytes: int
+) -> SpeculationPolicy | None:
     spec = options.speculative
     if spec is None:
         return None
@@ -151,7 +158,38 @@ def _speculation(options: EngineOptions, runner: TVMModelRunner) -> SpeculationP
         log.warning("--deterministic: speculative decoding is off (its bits would differ)")
         return None
     spec = dataclasses.replace(spec, row_cost=runner.device_kind.verify_row_cost)
-    return SpeculationPolicy(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
+    if spec.draft is None:
+        return SpeculationPolicy(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
+    draft, draft_bytes = _draft_runner(spec.draft, options, runner)
+    spec = dataclasses.replace(spec, proposal_cost=draft_bytes / max(weight_bytes, 1))
+    log.info("draft model %s: %.2f of the model's weight bytes", spec.draft, spec.proposal_cost)
+    return SpeculationPolicy(spec, DraftProposer(draft))
+
+
+def _draft_runner(
+    folder: str, options: EngineOptions, target: TVMModelRunner
+) -> tuple[TVMModelRunner, int]:
+    """The draft artifact on the model's device, its cache sized for the model's batch;
+    and its weight bytes."""
+    manifest = Manifest.read(Path(folder))
+    choice = choose_library(manifest, options.device)
+    runner = TVMModelRunner(
+        folder,
+        device=choice,
+        threads=options.threads,
+        kv=KVCacheConfig(
+            max_batch_size=options.max_num_seqs, prefill_chunk_size=options.prefill_chunk_size
+        ),
+    )
+    if not runner.supports_generation:
+        raise TallowError(f"--draft {folder}: an embedding-only artifact cannot draft")
+    check_same_vocabulary(
+        target.tokenizer.tokenizer,
+        runner.tokenizer.tokenizer,
+        target.vocab_size,
+        runner.vocab_size,
+    )
+    return runner, _weight_bytes(manifest, choice)
 
 
 def _warn_if_not_batch_invariant(runner: TVMModelRunner) -> None:

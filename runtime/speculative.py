@@ -2,11 +2,13 @@
 
 Decode reads every weight once per token. A forward over k+1 tokens of one sequence reads
 them once too, so when k proposed tokens are often what the model would have produced,
-several tokens come out of one weight read. The proposer is `NgramProposer` (prompt
-lookup): the continuation of the longest earlier occurrence of the sequence's last n tokens,
-in its prompt or its output. Free to compute, and right most of the time where the answer
-quotes its input (rewrite this code, re-emit this JSON). Any object with `propose` can take
-its place (a draft model's, say): verification does not depend on where proposals come from.
+several tokens come out of one weight read. Two proposers share the verification:
+
+* `NgramProposer` (prompt lookup): the continuation of the longest earlier occurrence of the
+  sequence's last n tokens, in its prompt or its output. Free to compute, and right most of
+  the time where the answer quotes its input (rewrite this code, re-emit this JSON).
+* `draft_proposer.DraftProposer`: a smaller model with the same vocabulary, decoding greedily
+  with its own KV cache.
 
 Verification (`step_postprocess.py`) samples every row of the verified item with the
 request's own sampler and keeps proposals while the sampled token equals the proposal. For a
@@ -39,7 +41,8 @@ from .request import SequenceState
 
 # `--speculative` values
 NGRAM = "ngram"
-KINDS = (NGRAM,)
+DRAFT = "draft"
+KINDS = (NGRAM, DRAFT)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class SpeculativeConfig:
     ngram_min: int = 2
     # Cost of one more row in a forward, relative to a forward's fixed cost (b / a above).
     row_cost: float = 0.25
+    # Cost of proposing one token, in the same unit: 0 for prompt lookup; for a draft model
+    # its weight bytes over the model's (decode reads them once per token).
+    proposal_cost: float = 0.0
+    draft: str | None = None  # kind "draft": the draft artifact's folder
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -61,9 +68,14 @@ class SpeculativeConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram_min must be between 1 and ngram_max")
+        if (self.kind == DRAFT) != (self.draft is not None):
+            raise ValueError("--draft ARTIFACT goes with --speculative draft, and only with it")
 
 
 class Proposer(Protocol):
+    """Guesses the next tokens. A proposer may also have `propose_batch(seqs, ks)` (one call
+    for the step's sequences: a draft model batches its forwards) and `forget(seq_id)`."""
+
     def propose(self, seq: SequenceState, k: int) -> list[int]:
         """Up to `k` tokens likely to follow `seq.token_ids`."""
         ...
@@ -136,32 +148,37 @@ class SpeculationPolicy:
         """Proposals per seq_id for this step's decoding sequences, at most `room` tokens in
         all (the scheduler's token budget and free pages)."""
         k_max = self.config.num_speculative_tokens
-        offers: list[tuple[float, int, int]] = []  # (value, seq_id, j)
-        drafts: dict[int, list[int]] = {}
+        row = self.config.row_cost
+        candidates: list[tuple[SequenceState, int, float]] = []
         for s in decodes:
             k = min(k_max, self._room_in_sequence(s))
             if k <= 0:
                 continue
             acc = self._acceptance.setdefault(s.seq_id, _Acceptance())
-            alpha = acc.alpha
-            if alpha * (1.0 + self.config.row_cost * len(decodes)) <= self.config.row_cost:
+            if acc.alpha * (1.0 + row * len(decodes)) <= row + self.config.proposal_cost:
                 acc.recover(self.recovery)  # not worth a row even alone: drift back, slowly
                 continue
-            proposal = self.proposer.propose(s, k)
-            if proposal:
-                drafts[s.seq_id] = proposal
-                offers += [(alpha ** (j + 1), s.seq_id, j) for j in range(len(proposal))]
-        if not offers:
+            candidates.append((s, k, acc.alpha))
+        if not candidates:
             return {}
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:  # one draft forward per position for every sequence
+            drafts = batch([s for s, _, _ in candidates], [k for _, k, _ in candidates])
+        else:
+            drafts = {s.seq_id: self.proposer.propose(s, k) for s, k, _ in candidates}
+        offers = [
+            (alpha ** (j + 1), s.seq_id, j)
+            for s, _, alpha in candidates
+            for j in range(len(drafts.get(s.seq_id) or ()))
+        ]
         offers.sort(key=lambda o: -o[0])
-        rows = len(decodes)
-        tokens = float(rows)  # expected tokens of the step so far
-        cost = 1.0 + self.config.row_cost * rows
+        tokens = float(len(decodes))  # expected tokens of the step so far
+        cost = 1.0 + row * len(decodes)
+        added = row + self.config.proposal_cost
         take: dict[int, int] = {}
         for value, sid, j in offers:
             if room <= 0 or j != take.get(sid, 0):
                 continue  # a sequence's proposals are taken in order (a prefix)
-            added = self.config.row_cost
             if value * cost <= tokens * added:  # the row would lower tokens per unit cost
                 break
             take[sid] = j + 1
@@ -184,6 +201,9 @@ class SpeculationPolicy:
 
     def forget(self, seq_id: int) -> None:
         self._acceptance.pop(seq_id, None)
+        forget = getattr(self.proposer, "forget", None)
+        if forget is not None:  # a draft model's cache holds the sequence
+            forget(seq_id)
 
     @staticmethod
     def _room_in_sequence(s: SequenceState) -> int:

@@ -314,3 +314,61 @@ def test_grammar_checks_proposals_and_outputs_stay_the_same(device_sampling):
         jsonschema.validate(json.loads(text), PERSON)
     stats = eng.scheduler.speculation.stats
     assert stats.accepted > 40 and stats.accepted < stats.proposed
+
+
+class CheckedDraft:
+    """A `DraftProposer` whose cache is compared with what it says it holds, every call."""
+
+    def __init__(self, seed: int) -> None:
+        from tallow.runtime.draft_proposer import DraftProposer
+
+        runner = FakeModelRunner(page_size=4, num_pages=512, vocab_size=V, context_window=256)
+        runner._seed = seed  # seed 0: the target's own logits, every guess right
+        self.inner = DraftProposer(runner)
+
+    def propose_batch(self, seqs, ks):
+        out = self.inner.propose_batch(seqs, ks)
+        runner = self.inner.runner
+        for sid, held in self.inner._held.items():
+            assert runner.sequence_tokens(sid) == held
+        return out
+
+    def propose(self, seq, k):
+        return self.propose_batch([seq], [k]).get(seq.seq_id, [])
+
+    def forget(self, seq_id):
+        self.inner.forget(seq_id)
+
+
+@pytest.mark.parametrize("seed", [0, 5], ids=["same-model", "other-model"])
+def test_draft_model_outputs_equal_and_its_cache_follows(seed):
+    params = [
+        SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0 if i % 3 else 0.8, seed=i)
+        for i in range(16)
+    ]
+    plain = run(make_engine(), PROMPTS, params)
+    draft = CheckedDraft(seed)
+    eng = make_engine(draft)
+    assert run(eng, PROMPTS, params) == plain
+    stats = eng.scheduler.speculation.stats
+    if seed == 0:  # greedy rows always agree; sampled ones as often as p(argmax)
+        assert stats.acceptance_rate > 0.6
+    else:
+        assert stats.proposed > 0 and stats.acceptance_rate < 0.3
+    assert draft.inner._held == {} and draft.inner.runner.sequence_ids() == []
+
+
+def test_draft_vocabulary_must_match():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from tallow.runtime.draft_proposer import check_same_vocabulary
+    from tallow.runtime.errors import TallowError
+
+    tok = word_tokenizer()
+    other = Tokenizer(WordLevel({f"x{i}": i for i in range(V)}, unk_token="x0"))
+    check_same_vocabulary(tok, tok, V, V)
+    with pytest.raises(TallowError, match="101 token ids, the model's 102"):
+        check_same_vocabulary(tok, tok, 102, 101)
+    with pytest.raises(TallowError, match="other ids"):
+        check_same_vocabulary(tok, other, V, V)

@@ -190,3 +190,38 @@ def test_generate_command_speculates_and_says_how_much(smollm2_artifact, capsys)
     assert "speculative:" in summary and "proposed tokens accepted" in summary
     assert main([*common, "--speculative", "ngram", "--num-speculative-tokens", "40"]) == 2
     assert "--num-speculative-tokens: between 1 and 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft_name", ["qwen3", "llama"], ids=["itself", "another-model"])
+def test_draft_model_keeps_outputs(qwen3, tiny_artifact, draft_name):
+    """A draft artifact with the same tokenizer: the model itself (every greedy guess right)
+    and another tiny model (few right); the outputs are those without speculation."""
+    import dataclasses
+
+    draft = tiny_artifact(draft_name, "f32")
+    prompts = [(BASE * 3)[: 20 + 3 * i] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [tokens(o) for o in build_engine(qwen3, EngineOptions()).generate(prompts, params)]
+    spec = SpeculativeConfig(kind="draft", draft=str(draft), num_speculative_tokens=4)
+    engine = build_engine(qwen3, EngineOptions(speculative=spec))
+    policy = engine.scheduler.speculation
+    # same-sized tiny models: the cost model would never draft; these tests need it to
+    policy.config = dataclasses.replace(policy.config, row_cost=0.0, proposal_cost=0.0)
+    assert [tokens(o) for o in engine.generate(prompts, params)] == plain
+    if draft_name == "qwen3":
+        assert policy.stats.acceptance_rate > 0.9
+    else:
+        assert policy.stats.proposed > 20
+    assert policy.proposer.runner.num_free_pages() == policy.proposer.runner.num_pages
+
+
+def test_draft_flags_are_checked_before_loading(smollm2_artifact, capsys, tmp_path):
+    from tallow.cli.main import main
+
+    common = ["generate", str(smollm2_artifact), "--prompt", "hi"]
+    assert main([*common, "--draft", str(smollm2_artifact)]) == 2
+    assert "--draft goes with --speculative draft" in capsys.readouterr().err
+    assert main([*common, "--speculative", "draft"]) == 2
+    assert "--draft ARTIFACT goes with --speculative draft" in capsys.readouterr().err
+    assert main([*common, "--speculative", "draft", "--draft", str(tmp_path)]) == 2
+    assert "not an artifact folder" in capsys.readouterr().err
