@@ -38,6 +38,9 @@ class KVCacheManager:
         # Prefix-cache entry each live sequence forked from; referenced until its KV goes.
         self._forked_from: dict[int, int] = {}
         self.planned_pages = 0  # pages the batch being scheduled will allocate when it runs
+        # Speculative proposals in the cache that verification has not settled (seq_id ->
+        # count): beyond `num_computed_tokens` until it does.
+        self._unverified: dict[int, int] = {}
         self.prefix_hit_tokens = 0  # total prompt tokens served from the prefix cache
 
     # -- accounting ------------------------------------------------------------------------------
@@ -171,10 +174,21 @@ class KVCacheManager:
         elif seq.seq_id not in res.evicted:
             self._backend.remove_sequence(seq.seq_id)
 
-    def rollback(self, seq: SequenceState, num_tokens: int) -> None:
-        """Drop the last `num_tokens` of KV that `seq` appended in the last forward beyond
-        its computed tokens (speculative proposals that were not accepted)."""
-        self._backend.popn(seq.seq_id, num_tokens)
+    def hold_proposals(self, seq: SequenceState, count: int) -> None:
+        """The step appends `count` speculative proposals after `seq`'s computed tokens; they
+        count as computed once verification settles them."""
+        if count:
+            self._unverified[seq.seq_id] = count
+
+    def settle_proposals(self, seq: SequenceState, kept: int) -> None:
+        """Verification kept the first `kept` of `seq`'s proposals (now in its `token_ids`);
+        the rest leave the cache. No-op for a sequence that held none."""
+        proposed = self._unverified.pop(seq.seq_id, 0)
+        if not 0 <= kept <= proposed:
+            raise ValueError(f"kept {kept} of {proposed} proposals")
+        if proposed > kept:
+            self._backend.popn(seq.seq_id, proposed - kept)
+        seq.num_computed_tokens += kept
 
     def evict_one(self) -> bool:
         """Free the least recently used idle prefix-cache entry; False when there is none."""

@@ -117,10 +117,8 @@ class Scheduler:
         self._turns = RoundRobin()
         self._overtaken = 0  # steps the current waiting head was blocked and overtaken
         self._blocked_head: SequenceState | None = None
-        # Speculative decoding's policy (None: off), and the proposals in the cache that the
-        # last step's verification has not settled yet (seq_id -> count).
+        # Speculative decoding's policy (None: off).
         self.speculation: SpeculationPolicy | None = None
-        self._unverified: dict[int, int] = {}
         # How many of some proposals a constrained sequence's grammar allows (the engine's).
         self.grammar_prefix: Callable[[SequenceState, list[int]], int] | None = None
 
@@ -206,8 +204,7 @@ class Scheduler:
 
     def _schedule_once(self) -> SchedulerOutput:
         for seq in self.running:  # proposals of a step that failed before verifying
-            if seq.seq_id in self._unverified:
-                self.commit_speculation(seq, 0)
+            self.kv.settle_proposals(seq, 0)
         out = SchedulerOutput()
         kv = self.kv
         kv.begin_batch()
@@ -230,8 +227,7 @@ class Scheduler:
             item = ScheduledItem(s, [s.token_ids[-1], *extra], sample=True, proposals=extra)
             out.items.append(item)
             s.num_computed_tokens += 1  # the proposals count once verified (`commit_...`)
-            if extra:
-                self._unverified[s.seq_id] = len(extra)
+            self.kv.hold_proposals(s, len(extra))
             # deterministic: the decodes run as a forward of their own (runner.forward)
             budget -= 0 if self.config.deterministic else 1 + len(extra)
             out.num_decode_tokens += 1 + len(extra)
@@ -266,14 +262,8 @@ class Scheduler:
         return plan
 
     def commit_speculation(self, seq: SequenceState, kept: int) -> None:
-        """After verification: `kept` of the sequence's proposals stay in its KV (their
-        tokens are now in `token_ids`), the rest of them leave the cache."""
-        proposed = self._unverified.pop(seq.seq_id, 0)
-        if not 0 <= kept <= proposed:
-            raise ValueError(f"kept {kept} of {proposed} proposals")
-        if proposed > kept:
-            self.kv.rollback(seq, proposed - kept)
-        seq.num_computed_tokens += kept
+        """After verification: `kept` of the sequence's proposals stay (`KVCacheManager`)."""
+        self.kv.settle_proposals(seq, kept)
 
     def _schedule_prefills(
         self, out: SchedulerOutput, budget: int, scheduled: set[int], admit: bool
@@ -415,8 +405,7 @@ class Scheduler:
     def finish(self, seq: SequenceState, reason: FinishReason) -> None:
         """Retire a sequence; its KV becomes a prefix-cache entry unless it was aborted or
         embedded."""
-        if seq.seq_id in self._unverified:  # its step failed: the proposals leave the cache
-            self.commit_speculation(seq, 0)
+        self.kv.settle_proposals(seq, 0)  # its step failed: the proposals leave the cache
         if self.speculation is not None:
             self.speculation.forget(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
