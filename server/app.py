@@ -52,7 +52,7 @@ def create_app(engine: Any, model_name: str, options: ServerOptions | None = Non
         model_name=model_name,
         options=options,
         state=ServerState(),
-        metrics=ServerMetrics(engine.stats),
+        metrics=ServerMetrics(engine.stats, options.replica),
     )
     app = FastAPI(
         title="tallow", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=OPENAPI

@@ -74,6 +74,8 @@ class ServerOptions:
     # Defaults for the sampling fields a request leaves unset, in place of the model's own
     # (`tallow serve --sampling-defaults`, `--temperature`, ...); None: the model's.
     sampling_defaults: SamplingDefaults | None = None
+    # The Ray Serve replica this app runs in (`server/ray_app.py`): a label on its metrics.
+    replica: str | None = None
 
 
 @dataclass

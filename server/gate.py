@@ -69,9 +69,9 @@ def allowed_host_names(options: ServerOptions) -> tuple[set[str], tuple[str, ...
 
 class APIGate:
     """Pure ASGI middleware (so streaming and disconnects pass through untouched): the Host
-    check on every route; the API key on every route but /health and GETs of the chat page's
-    files (they hold no secrets; the page asks for the key and sends it to the API routes); and
-    503 for new requests while draining."""
+    check on every route; the API key on every route but the health probes and GETs of the chat
+    page's files (they hold no secrets; the page asks for the key and sends it to the API
+    routes); and 503 for new requests while draining (the probes still answer)."""
 
     def __init__(self, app: ASGIApp, options: ServerOptions, state: ServerState) -> None:
         self.app, self.options, self.state = app, options, state
@@ -98,7 +98,7 @@ class APIGate:
                 code="invalid_host",
             )
             return await err.response()(scope, receive, send)
-        if scope["path"] == paths.HEALTH:
+        if scope["path"] in paths.PROBES:  # no key, and answered while draining
             return await self.app(scope, receive, send)
         page = scope["method"] == "GET" and scope["path"] in self._open
         if self._expected is not None and not page:

@@ -3,6 +3,14 @@
 Engine counters are read from `engine.stats()` at scrape time by a custom collector, so
 nothing has to be pushed from the step thread; per-request histograms are observed by the
 request handlers.
+
+Two gauges are there for the Kubernetes Gateway API Inference Extension, whose endpoint picker
+scrapes each model server for the queue length and the KV cache's fill (a fraction, 0 to 1):
+`tallow_num_requests_waiting` and `tallow_kv_cache_usage_perc` (vLLM's names, prefixed as ours
+are; the picker takes the names as flags).
+
+Under Ray Serve several replicas answer /metrics behind one port: each replica's samples then
+carry a `replica` label (`ServerMetrics(replica=...)`), so a scrape says which one it reached.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ class _EngineCollector(Collector):
             "num_requests_running": ("sequences holding KV cache", s.num_running),
             "kv_cache_pages_used": ("KV cache pages in use", s.kv_pages_used),
             "kv_cache_pages_total": ("KV cache pages in all", s.kv_pages_total),
+            "kv_cache_usage_perc": (
+                "KV cache pages in use, as a fraction (1: full)",
+                s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0,
+            ),
             "step_latency_last_seconds": ("latency of the last engine step", s.last_step_latency_s),
             "step_latency_avg_seconds": ("mean engine step latency", s.avg_step_latency_s),
         }
@@ -56,9 +68,26 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"tallow_{name}", doc, value=value)
 
 
+class _Labelled(Collector):
+    """Every sample of `registry`, with `labels` added (the replica that answers)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._registry, self._labels = registry, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self._labels}) for s in family.samples]
+            yield out
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._exposed: CollectorRegistry = self.registry
+        if replica is not None:
+            self._exposed = CollectorRegistry(auto_describe=False)
+            self._exposed.register(_Labelled(self.registry, {"replica": replica}))
         self.registry.register(_EngineCollector(stats))
         r = self.registry
         self.requests = Counter(
@@ -101,4 +130,4 @@ class ServerMetrics:
         self.in_flight = Gauge("tallow_server_requests_in_flight", "requests in flight", registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

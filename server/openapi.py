@@ -28,7 +28,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from .paths import HEALTH, ROUTES
+from .paths import HEALTH, HEALTH_LIVE, HEALTH_READY, ROUTES
 from .protocol import ErrorResponse, HealthResponse
 
 # Routes that queue engine work and so can answer 429, and those the API key does not guard.
@@ -93,7 +93,9 @@ def _error(status: int, schema: str = "ErrorResponse") -> dict[str, Any]:
 
 
 def _statuses(path: str, has_body: bool) -> list[int]:
-    statuses = [400, 503]  # the Host check, before anything else; draining
+    statuses = [400]  # the Host check, before anything else
+    if path != HEALTH_LIVE:  # live answers 200 while draining too
+        statuses.append(503)
     if path not in OPEN_PATHS:
         statuses.append(401)
     if has_body:
@@ -128,7 +130,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                 ok["text/event-stream"] = {"schema": _SSE_EVENT}
         for status in _statuses(path, model is not None):
             op["responses"].setdefault(str(status), _error(status))
-        if path == HEALTH:  # not ready or draining: the health body, not an error
+        if path in (HEALTH, HEALTH_READY):  # not ready or draining: the health body, not an error
             op["responses"]["503"] = _error(503, "HealthResponse")
             op["responses"]["503"]["description"] = "not ready yet, or shutting down"
     return doc

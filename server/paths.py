@@ -30,6 +30,12 @@ MODELS = "/v1/models"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 HEALTH = "/health"
+# Kubernetes' two probes (issue 34): live restarts a hung process, ready takes a pod out of
+# the Service while it loads or drains. Neither needs the API key; the gate passes `PROBES`
+# even while draining, so a draining pod stays live.
+HEALTH_LIVE = "/health/live"
+HEALTH_READY = "/health/ready"
+PROBES = frozenset({HEALTH, HEALTH_LIVE, HEALTH_READY})
 METRICS = "/metrics"
 OPENAPI = "/openapi.json"  # served by FastAPI itself (`openapi.install_openapi`)
 CHAT_PAGE = "/"
@@ -43,6 +49,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", TOKENIZE, "a prompt or chat messages to token ids"),
     Route("POST", DETOKENIZE, "token ids to text"),
     Route("GET", HEALTH, "200, or 503 while starting or draining; no API key", needs_key=False),
+    Route("GET", HEALTH_LIVE, "200 while the process is up, draining too", needs_key=False),
+    Route("GET", HEALTH_READY, "200, or 503 while loading or draining", needs_key=False),
     Route("GET", METRICS, "Prometheus metrics"),
     Route("GET", OPENAPI, "the OpenAPI document of these routes"),
     Route("GET", CHAT_PAGE, "the chat page, its files under /ui/ (--no-ui: off)", needs_key=False),
