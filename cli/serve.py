@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tallow.cli.arg_types import THREADS_HELP, add_device, positive_int
 from tallow.cli.sampling_flags import add_sampling_flags, sampling_defaults
+from tallow.cli.serve_ray import add_replica_flags, run_ray_serve, wants_ray
 from tallow.cli.speculative_flags import add_speculative_flags, speculative_config
 from tallow.runtime.errors import TallowError
 from tallow.server.paths import routes_help
@@ -96,6 +97,7 @@ def add_serve_parser(sub, artifact_type, artifact_help: str) -> None:
     add_speculative_flags(p)
     add_device(p)
     p.add_argument("--threads", type=positive_int, help=THREADS_HELP)
+    add_replica_flags(p)
 
 
 DEFAULT_ARTIFACT_NAME = "smollm2-135m-instruct-q4_1-cpu"
@@ -120,6 +122,12 @@ def default_artifact() -> Path:
 def run_serve(args) -> int:
     from tallow.server.listener import bind_listener
 
+    if wants_ray(args):  # replicas on Ray Serve, which binds the port itself
+        folder = _artifact(args)
+        return run_ray_serve(
+            args, folder, args.served_model_name or _served_name(args.artifact, folder)
+        )
+
     # The port first: one that is taken is an error now, not after the model has loaded.
     listener = bind_listener(args.host, args.port)
     try:
@@ -128,8 +136,9 @@ def run_serve(args) -> int:
         listener.close()
 
 
-def _serve_on(args, listener) -> int:
-    speculative = speculative_config(args)  # a bad value is reported before the model loads
+def _artifact(args) -> Path:
+    """The artifact's folder: ARTIFACT's (pulled when on the hub), else the default model's,
+    compiled on first use."""
     folder = args.artifact
     if folder is None:
         folder = default_artifact()
@@ -146,6 +155,12 @@ def _serve_on(args, listener) -> int:
         from tallow.cli.hub import artifact_folder
 
         folder = artifact_folder(args.artifact, args.device)
+    return folder
+
+
+def _serve_on(args, listener) -> int:
+    speculative = speculative_config(args)  # a bad value is reported before the model loads
+    folder = _artifact(args)
     # Otherwise the server needs only TVM's runtime library, not the compiler stack.
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     from tallow.runtime.engine_factory import EngineOptions, build_engine

@@ -130,6 +130,9 @@ def test_front_ends_import_no_compiler():
         "import sys, json\n"
         "import tallow.server.app, tallow.server.launch, tallow.cli.generate\n"
         "import tallow.runtime.engine_factory, tallow.runtime.served_model\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('ray'):  # tallow[ray]: the Serve application too\n"
+        "    import tallow.server.ray_app, tallow.server.ray_routing, tallow.cli.serve_ray\n"
         "bad = ('tvm.relax', 'tallow.compiler', 'tallow.model_defs', 'tallow.schedules')\n"
         "print(json.dumps([m for m in sys.modules if m.startswith(bad)]))\n"
     )
