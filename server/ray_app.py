@@ -10,7 +10,8 @@ Two tiers, because Ray's request routers see a handle call's arguments, never an
 - `EngineReplica` holds one engine and tallow's own FastAPI app (`create_app`), unchanged, and
   runs each request through it in-process (`asgi_bridge`), so the API key, body limits,
   validation, SSE, 429 and aborting on a client's disconnect behave exactly as in the single
-  server. Every answer carries `x-tallow-replica`, and its metrics a `replica` label.
+  server. Every answer carries `x-tallow-replica`, and its metrics a `replica` label; the
+  probes alone are the ingress's own (they speak for the application).
 
 The engine deployment routes with Ray's `PrefixCacheAffinityRouter` (`ray_routing.py`):
 requests whose prompts share a prefix go to the replica that served it (its prefix cache holds
@@ -40,11 +41,14 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
+from ray.serve.schema import DeploymentStatus
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from . import paths
 from .asgi_bridge import Forwarded, Lifespan, ResponseStart, call
 from .errors import APIError
+from .protocol import HealthResponse
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,9 @@ REPLICA_HEADER = "x-tallow-replica"
 # Ray's prefix-cache-affinity router, made safe for requests without a prompt (ray_routing.py).
 PREFIX_ROUTER = "tallow.server.ray_routing:PromptPrefixRouter"
 _SSE = b"text/event-stream"
+ENGINE_DEPLOYMENT = "TallowEngine"
+# Engine deployment states in which every replica it wants is running (autoscaling or not).
+_CAPACITY = {DeploymentStatus.HEALTHY, DeploymentStatus.UPSCALING, DeploymentStatus.DOWNSCALING}
 
 
 @dataclass
@@ -181,6 +188,8 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, request: Request) -> Response:
+        if request.url.path in paths.PROBES:
+            return await self._probe(request.url.path)
         try:
             body = await _read_body(request, self.max_body_bytes)
         except APIError as e:
@@ -212,6 +221,19 @@ class Ingress:
         response = StreamingResponse(_relay(parts, start), status_code=start.status)
         response.raw_headers = list(start.headers)
         return response
+
+    async def _probe(self, path: str) -> Response:
+        """The probes speak for the application, not for one replica: live while the ingress
+        answers; ready (and /health) while Serve has the engine deployment at its target, so
+        a replica lost and being replaced shows as not ready until capacity is back."""
+        if path == paths.HEALTH_LIVE:
+            return JSONResponse(HealthResponse(status="ok").model_dump())
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(serve.get_replica_context().app_name)
+        engine = app.deployments.get(ENGINE_DEPLOYMENT) if app else None
+        if engine is None or engine.status not in _CAPACITY:
+            return JSONResponse(HealthResponse(status="unavailable").model_dump(), 503)
+        return JSONResponse(HealthResponse(status="ok").model_dump())
 
 
 async def _relay(parts: Any, start: ResponseStart) -> AsyncIterator[bytes]:
@@ -295,7 +317,7 @@ def build(config: RayAppConfig) -> Any:
     autoscaling = config.autoscaling()
     engine = serve.deployment(
         EngineReplica,
-        name="TallowEngine",
+        name=ENGINE_DEPLOYMENT,
         # At least the engine's batch, or Serve caps its batching; the queue beyond it is the
         # replica's own (429 from tallow's app, as on one server).
         max_ongoing_requests=config.max_num_seqs + config.max_queued_requests,

@@ -69,6 +69,9 @@ def chat(base: str, messages: list[dict], max_tokens: int = 12) -> httpx.Respons
 
 
 def test_greedy_outputs_equal_the_single_servers(served, single):
+    for probe in ("/health/live", "/health/ready", "/health"):
+        r = httpx.get(served.base_url + probe, timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, probe
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         got, want = chat(served.base_url, messages), chat(single.base_url, messages)
@@ -162,7 +165,18 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_and_the_rest_serve(se
     error = json.loads(events[-2].removeprefix("data: "))
     assert error["error"]["code"] == "replica_unavailable", error
     assert len(events) < 2000
+    readiness = []
     for prompt in PROMPTS:  # the other replica serves; Serve replaces the dead one
+        readiness.append(httpx.get(served.base_url + "/health/ready", timeout=30).status_code)
         r = chat(served.base_url, [{"role": "user", "content": prompt}], max_tokens=4)
         assert r.status_code == 200, r.text
         assert r.headers[HEADER] != replica
+    # Ready again once Serve has replaced it (a model load: seconds); not ready meanwhile.
+    for _ in range(600):
+        readiness.append(httpx.get(served.base_url + "/health/ready", timeout=30).status_code)
+        if readiness[-1] == 200 and 503 in readiness:
+            break
+        time.sleep(0.2)
+    assert 503 in readiness and readiness[-1] == 200, readiness
+    replicas = stats_by_replica(served.base_url)
+    assert replica not in replicas and len(replicas) == 2
