@@ -81,6 +81,8 @@ class RayAppConfig:
     shutdown_timeout: float = 30.0
     api_key: str | None = None
     ui: bool = True
+    # False: Serve's default router (power of two choices, load only), for comparison.
+    prefix_routing: bool = True
     engine_options: dict[str, Any] = field(default_factory=dict)  # any other EngineOptions
     # Sampling defaults: "model" (the artifact's) or "neutral" (OpenAI's), with overrides put
     # over them (`tallow serve --temperature ...`).
@@ -315,6 +317,13 @@ def _artifact_folder(spec: str, device: str | None) -> Any:
 def build(config: RayAppConfig) -> Any:
     """The Serve application: the ingress bound to the engine deployment."""
     autoscaling = config.autoscaling()
+    router = RequestRouterConfig()  # Serve's default
+    if config.prefix_routing:
+        router = RequestRouterConfig(
+            request_router_class=PREFIX_ROUTER,
+            # Prefix affinity while queues differ by less than a batch; past that, load wins.
+            request_router_kwargs={"imbalanced_threshold": config.max_num_seqs},
+        )
     engine = serve.deployment(
         EngineReplica,
         name=ENGINE_DEPLOYMENT,
@@ -328,11 +337,7 @@ def build(config: RayAppConfig) -> Any:
         graceful_shutdown_timeout_s=config.shutdown_timeout,
         health_check_period_s=2,
         ray_actor_options={"num_cpus": config.threads or 1},
-        request_router_config=RequestRouterConfig(
-            request_router_class=PREFIX_ROUTER,
-            # Prefix affinity while queues differ by less than a batch; past that, load wins.
-            request_router_kwargs={"imbalanced_threshold": config.max_num_seqs},
-        ),
+        request_router_config=router,
     )
     ingress = serve.deployment(
         Ingress,
