@@ -87,6 +87,7 @@ def run_ray_serve(args: argparse.Namespace, folder: Path, name: str) -> int:
     port = args.port or _free_port(args.host)
     started = time.monotonic()
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+    left = 0
     try:
         serve.start(http_options={"host": args.host, "port": port})
         serve.run(build(config), name="tallow", route_prefix="/", blocking=False)
@@ -94,11 +95,22 @@ def run_ray_serve(args: argparse.Namespace, folder: Path, name: str) -> int:
         print(f"{replicas} replica(s) up in {took:.0f} s", file=sys.stderr)
         print(f"serving {name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
         _wait_for_signal()
-        print("draining (Serve lets in-flight requests finish)", file=sys.stderr, flush=True)
+        # As the single server drains: new requests get 503 while those in flight finish,
+        # up to --shutdown-timeout. Then the application is deleted (its replicas stop their
+        # engines) before Serve itself: serve.shutdown() alone stopped the proxy at once,
+        # cutting in-flight streams.
+        print("draining", file=sys.stderr, flush=True)
+        ingress = serve.get_app_handle("tallow")
+        left = ingress.drain.remote(config.shutdown_timeout).result(
+            timeout_s=config.shutdown_timeout + 30
+        )
+        if left:
+            print(f"shutdown timeout passed with {left} request(s) running", file=sys.stderr)
+        serve.delete("tallow")
         serve.shutdown()
     finally:
         ray.shutdown()
-    return 0
+    return 1 if left else 0
 
 
 def _threads_per_replica(replicas: int) -> int:

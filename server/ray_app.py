@@ -188,10 +188,41 @@ class Ingress:
     def __init__(self, engine: Any, max_body_bytes: int) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.draining = False
+        self.in_flight = 0  # requests accepted and not yet answered in full
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path in paths.PROBES:
             return await self._probe(request.url.path)
+        if self.draining:
+            return APIError(
+                503, "the server is shutting down", type="server_error", code="shutting_down"
+            ).response()
+        self.in_flight += 1
+        relayed = False
+        try:
+            response = await self._forward(request)
+            relayed = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not relayed:
+                self._finished()
+
+    def _finished(self) -> None:
+        self.in_flight -= 1
+
+    async def drain(self, timeout: float) -> int:
+        """What `tallow serve --replicas` calls on SIGTERM, as the single server drains: new
+        requests get 503 (`shutting_down`) and /health/ready 503 while the requests in flight
+        get up to `timeout` seconds. Returns how many were still running then."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight
+
+    async def _forward(self, request: Request) -> Response:
         try:
             body = await _read_body(request, self.max_body_bytes)
         except APIError as e:
@@ -220,7 +251,7 @@ class Ingress:
             log.warning("a replica failed before answering: %s", type(e).__name__)
             return _unavailable(type(e).__name__).response()
         assert isinstance(start, ResponseStart), start
-        response = StreamingResponse(_relay(parts, start), status_code=start.status)
+        response = StreamingResponse(_relay(parts, start, self._finished), status_code=start.status)
         response.raw_headers = list(start.headers)
         return response
 
@@ -230,6 +261,8 @@ class Ingress:
         a replica lost and being replaced shows as not ready until capacity is back."""
         if path == paths.HEALTH_LIVE:
             return JSONResponse(HealthResponse(status="ok").model_dump())
+        if self.draining:
+            return JSONResponse(HealthResponse(status="unavailable").model_dump(), 503)
         status = await asyncio.to_thread(serve.status)
         app = status.applications.get(serve.get_replica_context().app_name)
         engine = app.deployments.get(ENGINE_DEPLOYMENT) if app else None
@@ -238,7 +271,7 @@ class Ingress:
         return JSONResponse(HealthResponse(status="ok").model_dump())
 
 
-async def _relay(parts: Any, start: ResponseStart) -> AsyncIterator[bytes]:
+async def _relay(parts: Any, start: ResponseStart, on_end: Any) -> AsyncIterator[bytes]:
     """The body's chunks; a replica lost mid-stream ends an event stream with an error event
     and `[DONE]` (the status line has gone out already)."""
     sse = any(k.lower() == b"content-type" and v.startswith(_SSE) for k, v in start.headers)
@@ -255,6 +288,7 @@ async def _relay(parts: Any, start: ResponseStart) -> AsyncIterator[bytes]:
         yield b"data: " + json.dumps(error).encode() + b"\n\n" + b"data: [DONE]\n\n"
         finished = True
     finally:
+        on_end()
         if not finished:  # the client left: stop the sequence on its replica
             parts.cancel()
 
@@ -343,6 +377,7 @@ def build(config: RayAppConfig) -> Any:
         Ingress,
         name="TallowIngress",
         max_ongoing_requests=10_000,  # it only relays; the engine replicas bound the work
+        graceful_shutdown_timeout_s=config.shutdown_timeout,  # its relays end with the engine's
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engine.bind(config), config.max_body_bytes)

@@ -1,7 +1,8 @@
 """`tallow serve --replicas 2` on a local Ray with the default model (issue 34): the same
 greedy outputs as the single server, requests sharing a prefix kept on one replica, a client
-that leaves freeing its pages on its replica, and a replica killed mid-stream ending that
-stream with an error event while the next requests succeed.
+that leaves freeing its pages on its replica, a replica killed mid-stream ending that stream
+with an error event while the next requests succeed and Serve replaces it, and SIGTERM
+draining as the single server does.
 
 Slow: one Ray start (about 20 s on 2 cores) and two replicas, for the whole module. The
 cluster gets its own temporary folder (RAY_TMPDIR), so the test finds its replicas' logs and
@@ -180,3 +181,25 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_and_the_rest_serve(se
     assert 503 in readiness and readiness[-1] == 200, readiness
     replicas = stats_by_replica(served.base_url)
     assert replica not in replicas and len(replicas) == 2
+
+
+def test_sigterm_drains_like_the_single_server(served):
+    """Last in the module: it stops the shared server. New requests get 503 while the stream
+    in flight runs to its end; the process then exits 0."""
+    with httpx.Client() as client, start_stream(served.base_url, client, 200) as r:
+        assert r.status_code == 200
+        data = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(data)
+        served.proc.send_signal(signal.SIGTERM)
+        for _ in range(200):  # the CLI tells the ingress to drain (no fixed sleep)
+            if httpx.get(served.base_url + "/health/ready", timeout=30).status_code == 503:
+                break
+            time.sleep(0.1)
+        assert httpx.get(served.base_url + "/health/live", timeout=30).status_code == 200
+        refused = httpx.get(served.base_url + "/v1/models", timeout=30)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        rest = list(data)
+    assert rest[-1] == "data: [DONE]"
+    assert len(rest) == 200  # every token (199 after the first, one with finish_reason), [DONE]
+    assert served.proc.wait(120) == 0
