@@ -132,6 +132,11 @@ class Lifespan:
         self._task = asyncio.create_task(self._app(scope, self._inbox.get, self._send))
         await self._exchange("startup")
 
+    @property
+    def running(self) -> bool:
+        """Started, and its task has not ended (a lifespan that raised has)."""
+        return self._task is not None and not self._task.done()
+
     async def shutdown(self) -> None:
         if self._task is None or self._task.done():
             return

@@ -84,7 +84,7 @@ class RayAppConfig:
     # False: Serve's default router (power of two choices, load only), for comparison.
     prefix_routing: bool = True
     engine_options: dict[str, Any] = field(default_factory=dict)  # any other EngineOptions
-    # Sampling defaults: "model" (the artifact's) or "neutral" (OpenAI's), with overrides put
+    # Sampling defaults: "model" (the artifact's) or "openai" (neutral), with overrides put
     # over them (`tallow serve --temperature ...`).
     sampling_defaults: str = "model"
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
@@ -172,10 +172,10 @@ class EngineReplica:
                 yield part
 
     def check_health(self) -> None:
-        """Serve's health check: a replica whose engine thread died is replaced."""
-        thread = getattr(self.app.state.context.engine, "_thread", None)
-        if thread is not None and not thread.is_alive():
-            raise RuntimeError("the engine's step thread is not running")
+        """Serve's health check: a replica whose app has stopped (its lifespan ended, so the
+        engine is shut down) is replaced."""
+        if not self.lifespan.running:
+            raise RuntimeError("the replica's app is not running")
 
     async def __del__(self) -> None:
         # Serve has let in-flight requests finish (graceful_shutdown_timeout_s) by now.

@@ -53,7 +53,9 @@ def test_answers_pass_through_with_the_replica_tag(hygiene_bundle):
 
     async def run():
         lifespan = Lifespan(app)
+        assert not lifespan.running
         await lifespan.startup()
+        assert lifespan.running
         try:
             denied = await collect(app, Forwarded("GET", "/v1/models", headers=JSON))
             key = [*JSON, (b"authorization", b"Bearer k")]
@@ -64,6 +66,7 @@ def test_answers_pass_through_with_the_replica_tag(hygiene_bundle):
             )
         finally:
             await lifespan.shutdown()
+        assert not lifespan.running
         return denied, models, streamed
 
     denied, models, streamed = asyncio.run(run())
