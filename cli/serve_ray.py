@@ -73,6 +73,9 @@ def run_ray_serve(args: argparse.Namespace, folder: Path, name: str) -> int:
         shutdown_timeout=args.shutdown_timeout,
         api_key=args.api_key or None,
         ui=not args.no_ui,
+        host=args.host,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
         engine_options={
             "prefill_chunk_size": args.prefill_chunk_size,
             "memory_fraction": args.gpu_memory_fraction,

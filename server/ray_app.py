@@ -81,6 +81,11 @@ class RayAppConfig:
     shutdown_timeout: float = 30.0
     api_key: str | None = None
     ui: bool = True
+    # The Host check and CORS of `server/gate.py`, as on one server: the address the proxy
+    # binds, and comma-separated names and origins allowed besides the defaults.
+    host: str = "127.0.0.1"
+    allowed_hosts: str = ""
+    allowed_origins: str = ""
     # False: Serve's default router (power of two choices, load only), for comparison.
     prefix_routing: bool = True
     engine_options: dict[str, Any] = field(default_factory=dict)  # any other EngineOptions
@@ -150,7 +155,9 @@ class EngineReplica:
             max_body_bytes=config.max_body_bytes,
             shutdown_timeout=config.shutdown_timeout,
             ui=config.ui,
-            allowed_hosts=("*",),  # the ingress answers for the cluster's names
+            host=config.host,
+            allowed_hosts=_comma_list(config.allowed_hosts),
+            allowed_origins=_comma_list(config.allowed_origins),
             replica=self.replica,
             sampling_defaults=base.overridden("command line", **config.sampling_overrides),
         )
@@ -336,6 +343,10 @@ def _text(value: Any) -> str:
     if isinstance(value, dict):
         return _text(value.get("content", value.get("text", "")))
     return ""
+
+
+def _comma_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def _artifact_folder(spec: str, device: str | None) -> Any:
