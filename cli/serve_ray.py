@@ -110,7 +110,8 @@ def run_ray_serve(args: argparse.Namespace, folder: Path, name: str) -> int:
         if left:
             print(f"shutdown timeout passed with {left} request(s) running", file=sys.stderr)
         serve.delete("tallow")
-        serve.shutdown()
+        if not args.ray_address:  # a cluster of our own; a joined one keeps Serve running
+            serve.shutdown()
     finally:
         ray.shutdown()
     return 1 if left else 0
