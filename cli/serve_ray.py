@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tallow.cli.arg_types import positive_int
 from tallow.cli.sampling_flags import FLAGS
+from tallow.cli.speculative_flags import speculative_config
 from tallow.runtime.errors import TallowError
 
 
@@ -81,6 +82,7 @@ def run_ray_serve(args: argparse.Namespace, folder: Path, name: str) -> int:
             "memory_fraction": args.gpu_memory_fraction,
             "prefix_cache_max_tokens": args.prefix_cache_max_tokens,
             "deterministic": args.deterministic,
+            "speculative": speculative_config(args),  # checked before Ray starts
         },
         sampling_defaults=args.sampling_defaults,
         sampling_overrides={
