@@ -3,14 +3,14 @@ run under `oclgrind --data-races --uninitialized`, then the test's own cases; a 
 findings and times.
 
     .venv/bin/python benchmarks/oclgrind_sweep.py [--formats q4_0 q4k ...] [--k 512] \\
-        [--n 200] [--rows 1 2 3 4 7 8 16 33 64] [--no-cases] [--jobs 1]
+        [--n 72] [--rows 1 2 3 4 7 8 16 33 64] [--no-cases] [--jobs 1]
 
 Per format: the decode GEMV at 1 row, batched decode at each of `--rows`, prefill at the
-largest, K x N (defaults: the PoCL test's 512 x 200, no whole column tile). tests/
-test_oclgrind.py runs one format per family at 256 x 40 in about 3 minutes; this is the
-every-format version (docs/gpu-artifacts.md#oclgrind has the times measured). A row
-"reports" counts Oclgrind's reports by kind; "result" is the harness's own check against
-numpy (ok, or the first line of its failure).
+largest, K x N (defaults 512 x 72: no whole column tile; the PoCL test's N = 200 costs about
+3x under Oclgrind). tests/test_oclgrind.py runs one format per family at 256 x 24 in a few
+minutes; this is the every-format version (docs/gpu-artifacts.md#oclgrind has the times
+measured). A row's "reports" counts Oclgrind's reports by kind; "result" is the harness's
+own check against numpy (ok, or the first line of its failure).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=list(QUANT_FORMATS))
     parser.add_argument("--k", type=int, default=512)
-    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--n", type=int, default=72)
     parser.add_argument("--rows", type=int, nargs="+", default=DEFAULT_ROWS)
     parser.add_argument("--no-cases", action="store_true", help="only the format sweep")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once")

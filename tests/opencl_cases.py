@@ -189,10 +189,11 @@ def check_rms_norms(hidden: int = 576, rows=(1, 5, 33)):
 
 
 # --- the GPU token sampler (schedules/gpu/sampling.py, scheduled by hand) ------------------
-def check_sampler(vocab: int = 1003, n: int = 24):
-    """Sampled rows only: PoCL 3.1 loses the greedy branch's token write (barriers inside a
-    uniform if/else; its "repl" work-group method gets it right but compiles this kernel for
-    minutes), so temperature 0 is not checked here (docs/gpu-artifacts.md)."""
+def check_sampler(vocab: int = 1003, n: int = 24, greedy: int = 0):
+    """`n` sampled rows (top-k, top-p, min-p, the draw), then `greedy` rows at temperature 0.
+    PoCL 3.1 loses the greedy branch's token write (barriers inside a uniform if/else; its
+    "repl" work-group method gets it right but compiles this kernel for minutes), so the
+    PoCL test has none; Oclgrind runs them right (docs/gpu-artifacts.md)."""
     from tallow.runtime.model_runner_protocol import SamplingControls
     from tallow.runtime.sampler import sample_controls
     from tallow.schedules.gpu import sampling
@@ -202,13 +203,19 @@ def check_sampler(vocab: int = 1003, n: int = 24):
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((n, vocab)) * rng.uniform(0.5, 6, (n, 1))).astype(np.float32)
     logits[:, :5] = logits[:, 5:10]  # ties, also at the maximum
-    c = SamplingControls(
-        temperature=rng.choice([0.5, 1.0, 1.7], n).astype(np.float32),
-        top_k=rng.choice([0, 1, 5, 40, vocab - 1, vocab], n).astype(np.int32),
-        top_p=rng.choice([1.0, 0.95, 0.5, 0.1], n).astype(np.float32),
-        min_p=rng.choice([0.0, 0.01, 0.2], n).astype(np.float32),
-        uniform=rng.random(n).astype(np.float32),
-    )
+    fields = {
+        "temperature": rng.choice([0.5, 1.0, 1.7], n).astype(np.float32),
+        "top_k": rng.choice([0, 1, 5, 40, vocab - 1, vocab], n).astype(np.int32),
+        "top_p": rng.choice([1.0, 0.95, 0.5, 0.1], n).astype(np.float32),
+        "min_p": rng.choice([0.0, 0.01, 0.2], n).astype(np.float32),
+        "uniform": rng.random(n).astype(np.float32),
+    }
+    if greedy:  # after the sampled rows, whose draws stay as they were
+        logits = np.concatenate([logits, logits[:greedy] * 1.3])
+        fields = {k: np.concatenate([v, v[:greedy]]) for k, v in fields.items()}
+        fields["temperature"][n:] = 0.0
+        n += greedy
+    c = SamplingControls(**fields)
     token = np.full(n, -1, np.int32)
     arrays = {
         "x": logits,
@@ -359,10 +366,11 @@ def check_moe(
 
 # --- the small instances Oclgrind runs (each well under a minute on one core) --------------
 # One quant format per family (legacy 32-blocks, K-quants, i-quants); K = 256, one K-quant
-# block; N = 40, no whole column tile; decode GEMV at 1 row and its static 64-row form,
-# batched decode at 1, 5 and 64 rows, prefill at 37 (a partial row tile). Every format at
-# wider shapes and rows 1..64: benchmarks/oclgrind_sweep.py.
-SMALL = {"k": 256, "n": 40}
+# block; N = 24, no whole column tile (the PoCL test's 200 costs 8x under Oclgrind); the
+# decode GEMV at 1 row and its static 64-row form, batched decode at 1, 5 and 64 rows,
+# prefill at 37 (a partial row tile). Every format at wider shapes and rows 1..64:
+# benchmarks/oclgrind_sweep.py.
+SMALL = {"k": 256, "n": 24}
 QUANT_ROWS = {"decode": [1], "batch_decode": [1, 5, 64], "prefill": [37]}
 OCLGRIND_CASES = {
     **{
@@ -380,7 +388,8 @@ OCLGRIND_CASES = {
     "rms_norms": lambda: check_rms_norms(rows=(1, 5)),
     "rope": lambda: check_rope(tokens=(1, 7)),
     "moe": check_moe,
-    "sampler": check_sampler,  # vocab 1003, 24 rows: the size that showed the race
+    # vocab 1003, 24 rows: the size that showed the race; 4 greedy rows after them
+    "sampler": lambda: check_sampler(greedy=4),
     "paged_kv_attention": lambda: check_paged_kv_attention(kv_lens=(1, 17, 40), q_lens=(1, 5, 9)),
 }
 # Findings in kernels tallow does not own (TVM's), kept as tests that expect them so a TVM
