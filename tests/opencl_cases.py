@@ -364,7 +364,7 @@ def check_moe(
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
 
 
-# --- the small instances Oclgrind runs (each well under a minute on one core) --------------
+# --- the small instances Oclgrind runs (5 to 25 s each on an idle core) -------------------
 # One quant format per family (legacy 32-blocks, K-quants, i-quants); K = 256, one K-quant
 # block; N = 24, no whole column tile (the PoCL test's 200 costs 8x under Oclgrind); the
 # decode GEMV at 1 row and its static 64-row form, batched decode at 1, 5 and 64 rows,
