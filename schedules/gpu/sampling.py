@@ -49,7 +49,13 @@ def sample_kernel(vocab: int, padded: int):
 
     @T.macro
     def tree_reduce(red, tx, value, combine):
-        """red[0] <- combine over the block of every thread's `value` (barriers: TVM's)."""
+        """red[0] <- combine over the block of every thread's `value` (barriers: TVM's, but
+        the first). Every thread reads the previous result, red[0], right after the previous
+        reduction: without a barrier here thread 0 could overwrite it first. TVM's sync pass
+        misses that hazard when the previous reduction sits in a branch skipped for this row
+        (top-k off, then top-p's first mass): Oclgrind reported the race, and with it a
+        row's top-p threshold came out wrong."""
+        T.evaluate(T.tvm_storage_sync("shared"))
         red[tx] = value
         for i in T.unroll(LOG_THREADS):
             if tx % (2 << i) == 0:
