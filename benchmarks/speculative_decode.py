@@ -70,6 +70,17 @@ TASKS = {
 }
 
 
+def prompt_ids(model, text: str) -> list[int]:
+    """The task as a chat turn, or as plain text where the model has no chat template (the
+    base models of some GGUF files)."""
+    from tallow.runtime.served_model import NoChatTemplateError
+
+    try:
+        return model.encode_chat([{"role": "user", "content": text}])
+    except NoChatTemplateError:
+        return model.encode_text(text + "\n\n")
+
+
 def tallow_decode(engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, int]:
     """(decode tok/s, tokens) of one greedy request through `engine`."""
     from tallow.runtime.generate import GenerationStats, generate_text_with_engine
@@ -126,7 +137,7 @@ def run_shape(shape: str, args) -> None:
         head += f" {'llama':>8} {'+lookup':>8} {'ours/its':>8}"
     print(head + "   (decode tok/s, best of rounds; tokens)")
     for task, text in TASKS.items():
-        ids = plain.model.encode_chat([{"role": "user", "content": text}])
+        ids = prompt_ids(plain.model, text)
         best = {k: (0.0, 0) for k in ("plain", "spec", "llama", "lookup")}
         before = spec.scheduler.speculation.stats
         p0, a0 = before.proposed, before.accepted
@@ -203,13 +214,49 @@ def draft_costs(target_shape: str, args) -> None:
         }
         k = max(gains, key=gains.get)
         print(f"  alpha {alpha:.1f}: best k {k}, speed-up {gains[k]:.2f}x")
-    ids = plain.model.encode_chat([{"role": "user", "content": TASKS["open chat"]}])
+    ids = prompt_ids(plain.model, TASKS["open chat"])
     a, _ = tallow_decode(plain, ids, args.max_tokens)
     b, _ = tallow_decode(fast, ids, args.max_tokens)
     s = fast.scheduler.speculation.stats
     print(
         f"  end to end on random weights: {a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x), "
         f"{s.accepted} of {s.proposed} proposed tokens accepted"
+    )
+
+
+def concurrent_chat(shape: str, args, users: int = 16) -> None:
+    """Aggregate tok/s of `users` open-chat requests at once (different seeds, temperature
+    0.7), without and with prompt lookup, interleaved: batches must not get slower."""
+    from tallow.runtime.engine_factory import EngineOptions, build_engine
+    from tallow.runtime.sampling_params import SamplingParams
+    from tallow.runtime.speculative import SpeculativeConfig
+
+    art = bench_files.compiled(bench_files.shape_file(shape), args.artifact_dir)
+    opts = dict(threads=args.threads, max_num_seqs=users)
+    engines = {
+        "plain": build_engine(art, EngineOptions(**opts)),
+        "ngram": build_engine(art, EngineOptions(**opts, speculative=SpeculativeConfig())),
+    }
+    ids = prompt_ids(engines["plain"].model, TASKS["open chat"])
+    params = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=i) for i in range(users)
+    ]
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            outs = engine.generate([ids] * users, params)
+            n = sum(len(d.token_ids) for out in outs for o in out for d in o.outputs)
+            best[name] = max(best[name], n / (time.perf_counter() - t))
+    s = engines["ngram"].scheduler.speculation.stats
+    print(
+        f"\n{shape}: {users} concurrent open chats, {args.threads} threads; "
+        f"{bench_files.load_note()}"
+    )
+    print(
+        f"  aggregate tok/s: {best['plain']:.1f} without, {best['ngram']:.1f} with prompt "
+        f"lookup ({best['ngram'] / best['plain']:.2f}x); {s.accepted} of {s.proposed} "
+        "proposed tokens accepted"
     )
 
 
@@ -225,12 +272,15 @@ def main() -> None:
     ap.add_argument(
         "--draft-for", metavar="SHAPE", help="only the draft-model costs, for SHAPE (smollm2-1.7b)"
     )
+    ap.add_argument("--concurrent", action="store_true", help="16 open chats at once, too")
     args = ap.parse_args()
     if args.draft_for:
         draft_costs(args.draft_for, args)
         return
     for shape in bench_files.expand(args.shape or [bench_files.SMOLLM2]):
         run_shape(shape, args)
+        if args.concurrent:
+            concurrent_chat(shape, args)
 
 
 if __name__ == "__main__":
