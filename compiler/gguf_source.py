@@ -148,6 +148,19 @@ class GGUFModelSource(ModelSource):
     def input_files(self) -> list[Path]:
         return list(self.files)
 
+    @property
+    def file_type(self) -> str | None:
+        """`general.file_type` as llama.cpp names it (MOSTLY_Q4_K_M -> `q4_k_m`): a Q4_K_M
+        file's most common tensor type is q5_0 or q4_k, neither the name users know it by."""
+        code = _field(self.readers[0], "general.file_type")
+        try:
+            kind = _gguf().LlamaFileType(int(code))
+        except (TypeError, ValueError):
+            return None  # absent, or a code newer than the gguf package
+        if kind == _gguf().LlamaFileType.GUESSED:
+            return None
+        return kind.name.lower().removeprefix("mostly_").removeprefix("all_")
+
     def open_checkpoint(self) -> GGUFCheckpoint:
         cfg = self.config
         heads = int(cfg["num_attention_heads"])

@@ -121,6 +121,7 @@ def read_model(state: CompileState) -> str:
         tied_output=config.tie_word_embeddings,
         allow_requantize=opts.allow_requantize,
         num_experts=config.num_experts,
+        file_type=source.file_type,
     )
     # fused weights whose parts keep different types become one parameter per run
     state.weight_map = plan.param_weight_map(state.weight_map)

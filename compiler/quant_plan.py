@@ -151,10 +151,12 @@ def make_plan(
     tied_output: bool | None = None,
     allow_requantize: bool = False,
     num_experts: int = 0,
+    file_type: str | None = None,
 ) -> QuantPlan:
     """`shape_of(src)` is a source tensor's shape, `source_type(src)` its GGUF type name
     (a QUANT_FORMATS key) or "float"; `tied_output`: the config's tie_word_embeddings;
-    `num_experts`: the config's experts per MoE layer (0: a dense model)."""
+    `num_experts`: the config's experts per MoE layer (0: a dense model); `file_type`: the
+    quantization the source declares (`ModelSource.file_type`), the label of kept types."""
     check_quant_option(quant, dtype)
     targets = [p for p in weight_map if p.endswith(QUANTIZABLE)]
     if quant is None:
@@ -163,7 +165,7 @@ def make_plan(
             for p in targets
         }
         kept = Counter(t for types in part_types.values() for t in types if t != FLOAT)
-        label = kept.most_common(1)[0][0] if kept else dtype
+        label = (file_type or kept.most_common(1)[0][0]) if kept else dtype
         return plan_from_part_types(label, weight_map, part_types, source_type)
     if quant in FLOAT_FORMATS:
         return QuantPlan(label=dtype)

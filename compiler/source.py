@@ -50,6 +50,12 @@ class ModelSource:
     def input_files(self) -> list[Path]:
         return sorted({*self.weight_files, *self.tokenizer_files, self.folder / "config.json"})
 
+    @property
+    def file_type(self) -> str | None:
+        """The quantization the files declare as a whole (a GGUF's `general.file_type`,
+        `q4_k_m`), named in the artifact when their types are kept; None: not declared."""
+        return None
+
     def open_checkpoint(self):
         """The source tensors by name (`names()`, `shape(name)`, `get(name)`)."""
         from .weights import SafetensorsCheckpoint

@@ -332,3 +332,51 @@ def test_plan_quantizes_expert_stacks_from_either_source(source):
     assert plan.qtype(f"{p}.down_proj") == "q8_0"
     assert plan.qtype("model.layers.0.mlp.experts.down_proj") == "q5_0"
     assert plan.qtype("model.layers.0.mlp.gate.weight") == FLOAT
+
+
+@pytest.mark.parametrize("file_type", [None, "MOSTLY_Q4_K_M"])
+def test_kept_types_are_named_by_the_files_type(tiny_model_dir, tmp_path, file_type):
+    """A GGUF compiled in its own types is named by the quantization it declares
+    (`general.file_type`, as llama.cpp writes it: Q4_K_M), not by its most common tensor
+    type (Q4_K_M's is q5_0 or q4_k by shape); a file declaring none keeps the most common."""
+    import gguf
+    from gguf_models import write_gguf
+
+    from tallow.compiler.gguf_source import gguf_source
+    from tallow.model_defs.registry import get_architecture
+
+    # most tensors q5_0, some q8_0: a Q4_K_M file's fallbacks at rows q4k's 256 cannot divide
+    types = {f"blk.{i}.{r}.weight": "q5_0" for i in range(2) for r in LINEAR}
+    types.update({"blk.0.attn_v.weight": "q8_0", "output.weight": "q8_0"})
+
+    def declare(writer, _cfg):
+        if file_type is not None:
+            writer.add_file_type(gguf.LlamaFileType[file_type])
+
+    path = write_gguf(
+        tiny_model_dir("qwen3"),
+        tmp_path / "m.gguf",
+        "qwen3",
+        tensor_types=types,
+        metadata_fn=declare,
+    )
+    source = gguf_source(str(path), path)
+    arch = get_architecture(source.config)
+    ckpt = source.open_checkpoint()
+    weight_map = source.weight_map(arch, arch.config_from_hf(source.config))
+    kept = make_plan(
+        None, "f32", weight_map, ckpt.shape, ckpt.source_type, file_type=source.file_type
+    )
+    assert source.file_type == (file_type and "q4_k_m")
+    assert kept.label == ("q4_k_m" if file_type else "q5_0")
+    assert {kept.qtype(p) for p in kept.types} == {"q5_0", "q8_0"}  # the types stay kept
+    chosen = make_plan(
+        "q8_0",
+        "f32",
+        weight_map,
+        ckpt.shape,
+        ckpt.source_type,
+        allow_requantize=True,
+        file_type=source.file_type,
+    )
+    assert chosen.label == "q8_0"  # a --quant mix names itself
