@@ -21,6 +21,7 @@ from .library_select import LibraryChoice, choose_library
 from .manifest import DTYPE_BYTES, Manifest
 from .model_runner import KVCacheConfig, TVMModelRunner
 from .scheduler import SchedulerConfig
+from .speculation_costs import calibrated
 from .speculative import NgramProposer, SpeculationPolicy, SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ def _speculation(
         log.warning("--deterministic: speculative decoding is off (its bits would differ)")
         return None
     spec = dataclasses.replace(spec, row_cost=runner.device_kind.verify_row_cost)
+    spec = calibrated(spec, runner)  # this model's and device's step costs, measured
     if spec.draft is None:
         return SpeculationPolicy(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
     draft, draft_bytes = _draft_runner(spec.draft, options, runner)

@@ -21,12 +21,15 @@ to the float rounding that differs between the verifying and the decoding kernel
 
 How many tokens to propose (`SpeculationPolicy`): a forward over R rows of a decode batch
 costs about a + b*R (CPU, SmolLM2-135M Q4_1, one thread, Zen 3: a = 8.3 ms, b = 2.1 ms per
-row, `benchmarks/speculative_decode.py`). Each sequence's acceptance rate alpha (a decayed
-count of its own verified proposals) makes the j-th proposal of that sequence worth alpha^j
-expected tokens. Proposals are added, most valuable first, while each adds more tokens than
-the step's current tokens-per-row rate would buy with the row it costs: at batch 1 a
-proposal pays from alpha^j above about 0.2, at batch 16 only near-certain ones do, and a
-sequence whose proposals keep failing stops proposing (its alpha decays below the bar).
+row, `benchmarks/speculative_decode.py`), and a lone sequence's plain decode step may run
+cheaper kernels than that (a SmolLM2-1.7B shape: 100 ms against 278 ms for two rows); both
+are measured when the engine starts (`speculation_costs`). Each sequence's acceptance rate
+alpha (a decayed count of its own verified proposals) makes the j-th proposal of that
+sequence worth alpha^j expected tokens. Proposals are taken most valuable first, as many
+as give the step the most expected tokens per unit of cost: at batch 1 on SmolLM2-135M a
+proposal pays from alpha^j above about 0.2, at batch 16 only near-certain ones do, on the
+1.7B shape only 5 proposals at alpha 0.8 and more, and a sequence whose
+proposals keep failing stops proposing (its alpha decays below the bar).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class SpeculativeConfig:
     # Cost of proposing one token, in the same unit: 0 for prompt lookup; for a draft model
     # its weight bytes over the model's (decode reads them once per token).
     proposal_cost: float = 0.0
+    # One sequence's plain decode step in the same unit, where it runs other (cheaper)
+    # kernels than a forward of several rows; None: 1 + row_cost. Both measured at start
+    # (`speculation_costs`).
+    single_cost: float | None = None
     draft: str | None = None  # kind "draft": the draft artifact's folder
 
     def __post_init__(self) -> None:
@@ -148,22 +155,26 @@ class SpeculationPolicy:
         """Proposals per seq_id for this step's decoding sequences, at most `room` tokens in
         all (the scheduler's token budget and free pages)."""
         k_max = self.config.num_speculative_tokens
-        row = self.config.row_cost
+        batch = len(decodes)
         candidates: list[tuple[SequenceState, int, float]] = []
         for s in decodes:
             k = min(k_max, self._room_in_sequence(s))
             if k <= 0:
                 continue
             acc = self._acceptance.setdefault(s.seq_id, _Acceptance())
-            if acc.alpha * (1.0 + row * len(decodes)) <= row + self.config.proposal_cost:
+            plain = batch / self._cost(batch, 0)
+            expected = np.cumsum([acc.alpha ** (j + 1) for j in range(k)])
+            if not any(
+                (batch + expected[n - 1]) / self._cost(batch, n) > plain for n in range(1, k + 1)
+            ):
                 acc.recover(self.recovery)  # not worth a row even alone: drift back, slowly
                 continue
             candidates.append((s, k, acc.alpha))
         if not candidates:
             return {}
-        batch = getattr(self.proposer, "propose_batch", None)
-        if batch is not None:  # one draft forward per position for every sequence
-            drafts = batch([s for s, _, _ in candidates], [k for _, k, _ in candidates])
+        propose_batch = getattr(self.proposer, "propose_batch", None)
+        if propose_batch is not None:  # one draft forward per position for every sequence
+            drafts = propose_batch([s for s, _, _ in candidates], [k for _, k, _ in candidates])
         else:
             drafts = {s.seq_id: self.proposer.propose(s, k) for s, k, _ in candidates}
         offers = [
@@ -172,20 +183,37 @@ class SpeculationPolicy:
             for j in range(len(drafts.get(s.seq_id) or ()))
         ]
         offers.sort(key=lambda o: -o[0])
-        tokens = float(len(decodes))  # expected tokens of the step so far
-        cost = 1.0 + row * len(decodes)
-        added = row + self.config.proposal_cost
-        take: dict[int, int] = {}
+        # The most valuable offers first; keep the count that gives the most expected
+        # tokens per unit of cost (with costs linear in rows that is where the next offer
+        # would lower the rate; a lone sequence's cheaper `decode` step makes the first
+        # proposals cost more than the next ones).
+        tokens = float(batch)  # expected tokens of the step
+        best_rate, best_n = tokens / self._cost(batch, 0), 0
+        order: list[int] = []
+        taken: dict[int, int] = {}
         for value, sid, j in offers:
-            if room <= 0 or j != take.get(sid, 0):
-                continue  # a sequence's proposals are taken in order (a prefix)
-            if value * cost <= tokens * added:  # the row would lower tokens per unit cost
+            if len(order) >= room:
                 break
-            take[sid] = j + 1
+            if j != taken.get(sid, 0):
+                continue  # a sequence's proposals are taken in order (a prefix)
+            taken[sid] = j + 1
+            order.append(sid)
             tokens += value
-            cost += added
-            room -= 1
+            rate = tokens / self._cost(batch, len(order))
+            if rate > best_rate:
+                best_rate, best_n = rate, len(order)
+        take: dict[int, int] = {}
+        for sid in order[:best_n]:
+            take[sid] = take.get(sid, 0) + 1
         return {sid: drafts[sid][:n] for sid, n in take.items()}
+
+    def _cost(self, batch: int, proposals: int) -> float:
+        """A step's cost, in units of a multi-row forward's fixed cost, for `batch` decoding
+        sequences and `proposals` proposed tokens among them."""
+        row = self.config.row_cost
+        if batch == 1 and proposals == 0 and self.config.single_cost is not None:
+            return self.config.single_cost
+        return 1.0 + row * (batch + proposals) + self.config.proposal_cost * proposals
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of `proposed` proposals kept (a prefix)."""

@@ -1,7 +1,8 @@
 """TVM's paged KV-cache attention kernels (`tvm.relax.frontend.nn.llm`, the ones a GPU
 artifact's `TIRPagedKVCache` is built with) lowered for OpenCL and run against numpy: decode
 over pages, prefill over pages (causal, a chunk after cached tokens), prefill over ragged
-q/k/v, and the merge of two attention states (`check_merge_state`: TVM's kernel races).
+q/k/v, and the merge of two attention states (`check_merge_state`: TVM's kernel races;
+tallow's, `schedules/gpu/merge_state.py`, takes its place in GPU artifacts).
 Shared by the PoCL and Oclgrind tests (`opencl_cases.OCLGRIND_CASES`).
 
 Only float32: an f16 model's cache computes in f16, which neither PoCL 3.1 nor Oclgrind
@@ -25,6 +26,8 @@ def _kernels(h_kv: int, h_q: int, d: int, names=("decode", "prefill", "ragged"))
     from tvm.relax.frontend.nn.llm import _decode_kernels as dec
     from tvm.relax.frontend.nn.llm import _prefill_kernels as pre
 
+    from tallow.schedules.gpu.merge_state import merge_state_kernel
+
     target = tvm.target.Target(OPENCL_TARGET, host="llvm")
     with target:
         funcs = {
@@ -32,6 +35,7 @@ def _kernels(h_kv: int, h_q: int, d: int, names=("decode", "prefill", "ragged"))
             "prefill": pre._attention_prefill(h_kv, h_q, d, "float32", False, {}, target),
             "ragged": pre._attention_prefill_ragged(h_kv, h_q, d, d, "float32", {}, target),
             "merge": dec._merge_state_inplace(h_q, d, "float32", target),
+            "tallow_merge": merge_state_kernel("float32"),
         }
     return OpenCLKernels({name: funcs[name] for name in names})
 
@@ -117,16 +121,19 @@ def check_paged_kv_attention(kv_lens=(1, 17, 40), q_lens=(1, 5, 16), h_kv=2, h_q
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5, err_msg="prefill, ragged kv")
 
 
-def check_merge_state(n: int = 3, h_q: int = 4, d: int = 64, compare: bool = True):
+def check_merge_state(
+    n: int = 3, h_q: int = 4, d: int = 64, compare: bool = True, kernel: str = "tallow_merge"
+):
     """The merge of two attention states (V, S in log2) into V, S in place: what the cache
     runs after attending to a chunk's own tokens (ragged) and to its cached ones (pages).
 
-    TVM's kernel has each of a head's d / 4 work-items read S[n, h], then write it, with no
-    barrier between: a work-item that finishes before another starts (PoCL, Oclgrind)
-    rescales with an S already merged. Lanes of one converged warp load before any stores,
-    so a GPU gets the right answer as long as a head's work-items share a warp; Oclgrind
-    reports the race (test_oclgrind.py expects it, docs/gpu-artifacts.md#oclgrind)."""
-    kernels = _kernels(h_q // 2, h_q, d, ["merge"])
+    `kernel` "merge" is TVM's: each of a head's d / 4 work-items reads S[n, h], then writes
+    it, with no barrier between: a work-item that finishes before another starts (PoCL,
+    Oclgrind) rescales with an S already merged. Lanes of one converged warp load before any
+    stores, so a GPU gets the right answer as long as a head's work-items share a warp;
+    Oclgrind reports the race (test_oclgrind.py expects it, docs/gpu-artifacts.md#oclgrind).
+    "tallow_merge" is the kernel GPU artifacts run in its place."""
+    kernels = _kernels(max(h_q // 2, 1), h_q, d, [kernel])
     rng = np.random.default_rng(8)
     v1, v2 = (rng.standard_normal((n, h_q, d)).astype(np.float32) for _ in range(2))
     s1, s2 = (rng.standard_normal((n, h_q)).astype(np.float32) * 3 for _ in range(2))
@@ -134,7 +141,7 @@ def check_merge_state(n: int = 3, h_q: int = 4, d: int = 64, compare: bool = Tru
     ref_v = w1[..., None] * v1 + (1 - w1[..., None]) * v2
     ref_s = np.logaddexp2(s1, s2)
     arrays = {"V": v1.copy(), "S": s1.copy(), "V_other": v2, "S_other": s2}
-    kernels.run("merge", arrays, {"N": n, "H": h_q, "D": d})
+    kernels.run(kernel, arrays, {"N": n, "H": h_q, "D": d})
     if not compare:  # run only, for Oclgrind's report of the race
         return
     np.testing.assert_allclose(arrays["V"], ref_v, rtol=1e-5, atol=1e-6, err_msg="merge V")

@@ -110,6 +110,8 @@ def _check_cuda_artifact(folder: Path, sms: list[int], tmp_path: Path) -> None:
     assert details["nvcc"] and details["nvcc"] != "missing"
     assert details["schedules"]["rules"]["Matmul"] >= 1
     assert details["schedules"]["rules"]["prescheduled"] >= 1  # the KV cache kernels
+    # TVM's racing merge kernel replaced by tallow's (schedules/gpu/merge_state.py)
+    assert details["schedules"]["replaced_tvm_kernels"] == ["tir_attention_merge_state"]
     assert details["cuda_graph"]["max_batch_size"] == 64
     assert details["cuda_graph"]["captured_functions"] == ["batch_decode", "decode"]
     # Tiny widths (64) are below dlight's tensor-core threshold: recorded, never silent.
@@ -182,6 +184,7 @@ def test_metal_artifact(tiny_model_dir, tmp_path):
     (lib,) = m.libraries
     assert lib.host["mtriple"] == "arm64-apple-macos"
     assert lib.details["shaders"] > 10 and lib.platform == "macos-arm64"
+    assert lib.details["schedules"]["replaced_tvm_kernels"] == ["tir_attention_merge_state"]
     if find_ld64():  # linked here: one arm64 Mach-O dylib (tests/test_metal_dylib.py: its symbols)
         assert lib.file == "lib/metal-arm64.dylib"
         blob = (folder / lib.file).read_bytes()

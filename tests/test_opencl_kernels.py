@@ -91,4 +91,12 @@ def test_paged_kv_attention_on_opencl():
 
 @pytest.mark.xfail(reason="TVM's merge_state_inplace races on S (opencl_paged_kv.py)")
 def test_tvm_merge_state_on_opencl():
-    cases.check_merge_state()
+    cases.check_merge_state(kernel="merge")
+
+
+@pytest.mark.parametrize(("n", "heads", "dims"), [(3, 4, 64), (2, 6, 80), (1, 8, 256)])
+def test_merge_state_on_opencl(n, heads, dims):
+    """tallow's merge (schedules/gpu/merge_state.py), which GPU artifacts run in place of
+    TVM's: right where TVM's is wrong (4 x 64), with idle heads and lanes, and at Gemma's
+    256 dims (two warps of TVM's kernel)."""
+    cases.check_merge_state(n=n, h_q=heads, d=dims)

@@ -18,6 +18,7 @@ from tallow.runtime.speculative import (
     NgramProposer,
     SpeculationPolicy,
     SpeculativeConfig,
+    _Acceptance,
 )
 
 
@@ -249,6 +250,45 @@ def test_policy_speculates_less_as_acceptance_falls_and_batches_grow():
     # opting out, and no room before max_tokens
     assert policy.plan([_seq(1, SamplingParams(max_tokens=100, speculative=False))], 100) == {}
     assert policy.plan([_seq(2, SamplingParams(max_tokens=1))], 100) == {}
+
+
+def test_policy_counts_a_lone_sequences_cheaper_decode_step():
+    """Where one sequence's plain step runs cheaper kernels than a forward of several rows
+    (a 1.7B shape on the CPU: 100 ms against 278 ms for two rows, 355 ms for six), only
+    long runs of likely guesses pay: the expected tokens per unit of cost decide, computed
+    here by hand for alpha 0.5, 0.7 and 0.9."""
+    from tallow.runtime.speculation_costs import StepCosts
+
+    costs = StepCosts(single_ms=100.0, two_ms=278.0, many_ms=355.2, many=6)
+    fixed, per_row, single = 239.4, 19.3, 100.0  # the straight line through 2 and 6 rows
+    assert (costs.fixed_ms, costs.per_row_ms) == pytest.approx((fixed, per_row))
+    row_cost, single_cost = costs.relative()
+    spec = SpeculativeConfig(num_speculative_tokens=5, row_cost=row_cost, single_cost=single_cost)
+    params = SamplingParams(max_tokens=100, temperature=0.0)
+
+    def planned(alpha: float, batch: int = 1) -> int:
+        policy = SpeculationPolicy(spec, Fixed())
+        seqs = [_seq(i, params) for i in range(batch)]
+        for i in range(batch):
+            policy._acceptance[i] = _Acceptance(accepted=alpha * 100, tried=100)
+        return sum(len(v) for v in policy.plan(seqs, 100).values())
+
+    def rate(alpha: float, n: int) -> float:  # expected tokens per ms, one sequence
+        cost = single if n == 0 else fixed + per_row * (1 + n)
+        return sum(alpha**j for j in range(n + 1)) / cost
+
+    for alpha in (0.5, 0.7, 0.9):
+        best = max(range(6), key=lambda n: rate(alpha, n))
+        assert planned(alpha) == best, alpha
+    assert planned(0.5) == planned(0.7) == 0 and planned(0.9) == 5
+    # with the single step as dear as any (1 + row_cost), alpha 0.5 pays at batch 1
+    linear = SpeculationPolicy(dataclasses_replace(spec, single_cost=None), Fixed())
+    linear._acceptance[0] = _Acceptance(accepted=50, tried=100)
+    assert linear.plan([_seq(0, params)], 100)
+    # at batch 2 every step already runs the multi-row kernels: alpha 0.7 pays there
+    assert planned(0.7, batch=2) > 0
+    # timings no straight line fits (a noisy machine) leave the defaults
+    assert StepCosts(single_ms=10.0, two_ms=5.0, many_ms=100.0, many=6).relative() is None
 
 
 def dataclasses_replace(obj, **kw):

@@ -10,6 +10,7 @@ import pytest
 from tallow.runtime.engine_factory import EngineOptions, build_engine
 from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 from tallow.runtime.sampling_params import SamplingParams
+from tallow.runtime.speculation_costs import SCRATCH_SEQ
 from tallow.runtime.speculative import NgramProposer, SpeculationPolicy, SpeculativeConfig
 
 pytestmark = pytest.mark.slow
@@ -136,6 +137,11 @@ def test_smollm2_copying_speculates_and_keeps_the_greedy_text(smollm2_artifact):
     stats = spec_engine.scheduler.speculation.stats
     assert stats.acceptance_rate > 0.5
     assert spec_engine.stats().num_steps < plain_engine.stats().num_steps * 0.7
+    # the policy got this model's measured step costs, and the scratch sequence is gone
+    config = spec_engine.scheduler.speculation.config
+    assert config.single_cost is not None and 0 < config.row_cost < 1
+    spec_engine.runner.add_sequence(SCRATCH_SEQ)  # raises if the measurement left it there
+    spec_engine.runner.remove_sequence(SCRATCH_SEQ)
 
 
 def test_server_streams_speculated_runs_and_counts_them(smollm2_artifact):
