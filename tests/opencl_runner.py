@@ -35,6 +35,9 @@ OPENCL_TARGET = {
     "max_shared_memory_per_block": 49152,
     "thread_warp_size": 1,
 }
+# f16 rounding, for the f16 cases' tolerances (`opencl_cases.py`)
+F16_ULP = 2.0**-11  # unit roundoff of f16 (round to nearest)
+F16_TINY = 2.0**-25  # half the smallest f16 subnormal: the rounding of results near 0
 _VLOAD_HALF = r"vload_half(0, (half *)(&(\1)))"
 _AXES = {"x": 0, "y": 1, "z": 2}
 _FP16_PRAGMA = re.compile(r"#ifdef cl_khr_fp16\n.*?#endif\n", re.S)
@@ -93,22 +96,10 @@ class OpenCLKernels:
     def __init__(self, prim_funcs: dict):
         import pyopencl as cl
         import tvm
-        from tvm.tirx.build import codegen_build, split_host_device_mods
+        from tvm.tirx.build import codegen_build
 
         target = tvm.target.Target(OPENCL_TARGET, host="llvm")
-        funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs.items()}
-        mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule(funcs))
-        from tallow.compiler.backends.gpu import GPU_TIR_CONFIG
-
-        pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
-        with tvm.transform.PassContext(config=GPU_TIR_CONFIG):  # as the GPU builds lower
-            _, device_mods = split_host_device_mods(pipeline(mod))
-        (device_mod,) = device_mods.values()
-        device_mod = finalize_device()(device_mod)
-        self.kernels: dict[str, list[Kernel]] = {name: [] for name in funcs}
-        for gv, func in device_mod.functions_items():
-            owner = max((n for n in funcs if gv.name_hint.startswith(n + "_kernel")), key=len)
-            self.kernels[owner].append(_kernel(gv.name_hint, func))
+        device_mod, self.kernels = lower_device_kernels(prim_funcs, target)
         self.source = codegen_build(device_mod, target).inspect_source()
         self.device = next(d for p in cl.get_platforms() for d in p.get_devices())
         self.context = cl.Context([self.device])
@@ -147,7 +138,7 @@ class OpenCLKernels:
         kernels = self.kernels[name]
         if not kernels:
             raise KeyError(f"{name} has no device kernel")
-        for k in sorted(kernels, key=lambda k: k.name):
+        for k in kernels:
             args = []
             for buf, dtype in k.buffers:
                 if buf not in arrays:
@@ -156,10 +147,7 @@ class OpenCLKernels:
                     raise TypeError(f"{buf}: {arrays[buf].dtype}, the kernel reads {dtype}")
                 args.append(device[buf])
             args += [np.dtype(str(v.ty.dtype)).type(sizes[v.name]) for v in k.sizes]
-            local, groups = [1, 1, 1], [1, 1, 1]
-            for tag, extent in k.launch.items():
-                value = _evaluate(extent, {v: sizes[v.name] for v in k.sizes})
-                (local if tag.startswith("threadIdx") else groups)[_AXES[tag[-1]]] = value
+            groups, local = launch_extents(k, sizes)
             if min(groups) == 0:
                 continue  # an empty grid (no rows): nothing to launch
             glob = tuple(g * t for g, t in zip(groups, local, strict=True))
@@ -174,6 +162,41 @@ class OpenCLKernels:
         if name not in self._launchers:
             self._launchers[name] = cl.Kernel(self.program, name)
         self._launchers[name](self.queue, glob, local, *args)
+
+
+def lower_device_kernels(prim_funcs: dict, target, config: dict | None = None):
+    """The device kernels of `prim_funcs` (name -> scheduled PrimFunc) lowered for `target`
+    as TVM's build lowers them (the GPU builds' TIR configuration, plus `config`): (the
+    device IRModule, PrimFunc name -> its `Kernel`s in launch order). Shared with
+    `wgpu_runner.py`."""
+    import tvm
+    from tvm.tirx.build import split_host_device_mods
+
+    from tallow.compiler.backends.gpu import GPU_TIR_CONFIG
+
+    funcs = {name: f.with_attr("global_symbol", name) for name, f in prim_funcs.items()}
+    mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule(funcs))
+    pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    with tvm.transform.PassContext(config={**GPU_TIR_CONFIG, **(config or {})}):
+        _, device_mods = split_host_device_mods(pipeline(mod))
+    (device_mod,) = device_mods.values()
+    device_mod = finalize_device()(device_mod)
+    kernels: dict[str, list[Kernel]] = {name: [] for name in funcs}
+    for gv, func in device_mod.functions_items():
+        owner = max((n for n in funcs if gv.name_hint.startswith(n + "_kernel")), key=len)
+        kernels[owner].append(kernel_of(gv.name_hint, func))
+    for found in kernels.values():
+        found.sort(key=lambda k: k.name)
+    return device_mod, kernels
+
+
+def launch_extents(kernel: Kernel, sizes: dict[str, int]) -> tuple[list[int], list[int]]:
+    """(work-groups, threads per group) per axis x, y, z for the given symbolic sizes."""
+    local, groups = [1, 1, 1], [1, 1, 1]
+    for tag, extent in kernel.launch.items():
+        value = _evaluate(extent, {v: sizes[v.name] for v in kernel.sizes})
+        (local if tag.startswith("threadIdx") else groups)[_AXES[tag[-1]]] = value
+    return groups, local
 
 
 def _half_vector_loads(source: str, name: str) -> str:
@@ -221,7 +244,7 @@ def _half_loads(source: str, name: str) -> str:
     return source
 
 
-def _kernel(name: str, func) -> Kernel:
+def kernel_of(name: str, func) -> Kernel:
     import tvm
 
     buffers, sizes = [], []
