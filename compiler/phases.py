@@ -122,6 +122,8 @@ def read_model(state: CompileState) -> str:
         allow_requantize=opts.allow_requantize,
         num_experts=config.num_experts,
     )
+    for spec in state.targets:
+        spec.backend.check_formats(plan.module_types())
     # fused weights whose parts keep different types become one parameter per run
     state.weight_map = plan.param_weight_map(state.weight_map)
     return (

@@ -81,7 +81,7 @@ def test_registry_errors():
         get_format("q4_k")
     with pytest.raises(ValueError, match="already registered"):
         register_format(QUANT_FORMATS["q4_0"])
-    with pytest.raises(ValueError, match="q2k, q3k fall back to it"):
+    with pytest.raises(ValueError, match="q2k, q3k, tq1_0, tq2_0 fall back to it"):
         unregister_format("q4_0")
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import iquants, kquants, legacy  # noqa: F401 - the families register their formats on import
+from . import iquants, kquants, legacy, lowbit  # noqa: F401 - the families register themselves
 from .format import Int8Codes, Lazy, LeadingScale, QuantFormat
 from .registry import (
     QUANT_FORMATS,
@@ -70,6 +70,8 @@ def _map_chunks(fn: Callable[[np.ndarray], np.ndarray], src: np.ndarray, out: np
 def quantize(array: np.ndarray, name: str) -> np.ndarray:
     """Quantize ``array`` (last dimension = row) to ``uint8[rows, row_bytes]``."""
     qt = get_format(name)
+    if qt.quantize_blocks is None:
+        raise ValueError(f"cannot quantize to {name}: {qt.no_quantizer}")
     array = np.asarray(array)
     if array.ndim == 0 or array.shape[-1] % qt.block_size != 0 or array.shape[-1] == 0:
         raise ValueError(
