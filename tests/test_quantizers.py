@@ -84,7 +84,9 @@ def _gguf_type(name: str) -> gguf.GGMLQuantizationType:
 
 
 def test_quant_types_metadata():
-    assert list(QUANT_FORMATS) == [*LEGACY, *KQUANTS, *IQUANTS, *LOWBIT]
+    # the lattice i-quants, read only (no quantizer: tests/test_iquants_grid.py), list last
+    grids = ["iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m"]
+    assert list(QUANT_FORMATS) == [*LEGACY, *KQUANTS, *IQUANTS, *LOWBIT, *grids]
     for name, qt in QUANT_FORMATS.items():
         assert qt.name == name
         assert (qt.block_size, qt.type_size) == GGML_QUANT_SIZES[qt.ggml_type]

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import iquants, kquants, legacy, lowbit  # noqa: F401 - the families register themselves
+from . import grids, iquants, kquants, legacy, lowbit  # noqa: F401 - families register themselves
 from .format import Int8Codes, Lazy, LeadingScale, QuantFormat
 from .registry import (
     QUANT_FORMATS,
