@@ -1,7 +1,8 @@
 """Weight block formats: the registry (`QUANT_FORMATS`) and numpy quantize / dequantize.
 
 Each format family is one package that registers its formats (`legacy`, `kquants`,
-`iquants`; see `format.QuantFormat` for what a format holds and `registry` for the table).
+`iquants`, `lowbit` (TQ1_0, TQ2_0, MXFP4), `grids` (the lattice i-quants, read only);
+see `format.QuantFormat` for what a format holds and `registry` for the table).
 
 ``quantize(array, name)`` turns a float array whose last dimension is a multiple of the type's
 block size into ``uint8[rows, row_bytes]`` laid out byte for byte as llama.cpp / GGUF store the

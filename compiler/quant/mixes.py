@@ -24,7 +24,9 @@ for dense decoders, and `tests/data/llamacpp_mixes.json` (written by llama.cpp i
 `FORMAT:all` (e.g. `q4k:all`) puts every weight in one format: no head promotion, no rules.
 Left out: llama.cpp's branches for Falcon and the IQ/TQ/MXFP4 ftypes. tallow stores two of
 the i-quants (iq4_nl, iq4_xs), but without a llama.cpp run to check their recipes against,
-`--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`).
+`--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`); so are
+tq1_0, tq2_0 and mxfp4. Formats tallow reads but does not write (the lattice i-quants,
+`QuantFormat.no_quantizer`) are no mix: `unwritable_reason` says why.
 
 Tensors are named as in GGUF files (`token_embd.weight`, `output.weight`,
 `blk.{i}.attn_q.weight`, ...), shapes in numpy order ([rows, cols] or [experts, rows, cols];
