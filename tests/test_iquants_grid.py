@@ -135,6 +135,20 @@ def test_gpu_compile_refuses_the_grid_types(tiny_model_dir, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_moe_experts_in_a_grid_type_are_refused():
+    """The MoE grouped kernels do not take the lattice i-quants: building the experts stops
+    in one line naming the stack and its type (a dense layer of the same type builds)."""
+    from tallow.model_defs.moe import MoEExperts
+    from tallow.model_defs.quant_ops import QuantLinear
+    from tallow.runtime.errors import ModelSourceError
+
+    types = {"gate_proj": "q4k", "up_proj": "q4k", "down_proj": "iq2_xs"}
+    with pytest.raises(ModelSourceError, match=r"down_proj are IQ2_XS: the MoE") as err:
+        MoEExperts(4, 256, 256, "float32", types)
+    assert "\n" not in str(err.value)
+    QuantLinear(256, 64, "iq2_xs")
+
+
 # --- a whole model -------------------------------------------------------------------------
 
 # qwen2_wide (rows of 256 and 512 weights): the seven types over the matrices, the
