@@ -62,7 +62,8 @@ def main() -> int:
     from tallow.compiler.quant import QUANT_FORMATS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", nargs="+", default=list(QUANT_FORMATS))
+    gpu_formats = [name for name, fmt in QUANT_FORMATS.items() if fmt.gpu]
+    parser.add_argument("--formats", nargs="+", default=gpu_formats)
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--n", type=int, default=72)
     parser.add_argument("--rows", type=int, nargs="+", default=DEFAULT_ROWS)

@@ -123,6 +123,8 @@ def read_model(state: CompileState) -> str:
         num_experts=config.num_experts,
         file_type=source.file_type,
     )
+    for spec in state.targets:
+        spec.backend.check_formats(plan.module_types())
     # fused weights whose parts keep different types become one parameter per run
     state.weight_map = plan.param_weight_map(state.weight_map)
     return (

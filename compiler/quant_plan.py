@@ -30,7 +30,7 @@ from tallow.runtime.errors import TargetError
 
 from .mix_plan import mix_part_types
 from .quant import get_format
-from .quant.mixes import find_mix, mix_names
+from .quant.mixes import find_mix, mix_names, unwritable_reason
 from .requantize_guard import check_requantization
 
 FLOAT_FORMATS = ("f32", "f16", "bf16")
@@ -129,6 +129,8 @@ def quant_choices() -> tuple[str, ...]:
 def check_quant_name(quant: str | None) -> None:
     """`--quant` names a float format or a mix (checked before anything slow is loaded)."""
     if quant is not None and quant not in FLOAT_FORMATS and find_mix(quant) is None:
+        if (reason := unwritable_reason(quant)) is not None:
+            raise TargetError(f"--quant {quant}: {reason}")
         raise TargetError(f"unknown --quant {quant!r}; valid: {', '.join(quant_choices())}")
 
 

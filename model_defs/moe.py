@@ -22,6 +22,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.target import Target
 
+from tallow.compiler.quant.registry import get_format
+from tallow.runtime.errors import ModelSourceError
+
 from .config import DecoderConfig
 from .parts import activation
 from .quant_ops import row_bytes
@@ -145,6 +148,11 @@ class MoEExperts(nn.Module):
             qtype = types[name]
             if qtype == "none":
                 param = nn.Parameter((experts * rows, cols), dtype=dtype)
+            elif get_format(qtype).table is not None:
+                raise ModelSourceError(
+                    f"the experts' {name} are {get_format(qtype).ggml_type.name}: the MoE "
+                    "grouped kernels do not take the lattice i-quants (IQ1-IQ3) yet"
+                )
             else:
                 param = nn.Parameter((experts * rows, row_bytes(qtype, cols)), dtype="uint8")
             setattr(self, name, param)

@@ -14,6 +14,7 @@ looked-up rows only). The decoders are bit-exact with ``gguf.quants.dequantize``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from tvm import te
@@ -28,8 +29,11 @@ def row_bytes(qtype: str, cols: int) -> int:
     return get_format(qtype).row_bytes(cols)
 
 
-def dequant_value(read: Callable, qtype: str, col, out_dtype: str = "float32"):
-    """Weight `col` of a row whose bytes are `read(byte_index_in_row)` (uint8 expressions)."""
+def dequant_value(
+    read: Callable, qtype: str, col, out_dtype: str = "float32", table: te.Tensor | None = None
+):
+    """Weight `col` of a row whose bytes are `read(byte_index_in_row)` (uint8 expressions);
+    `table`: the format's constant table (`QuantFormat.table`, see `table_tensor`)."""
     fmt = get_format(qtype)
     base = col // fmt.block_size * fmt.type_size
 
@@ -39,20 +43,46 @@ def dequant_value(read: Callable, qtype: str, col, out_dtype: str = "float32"):
     # int32 lane arithmetic: with int64 (the index type nn uses) the vectorised shifts and
     # masks would run on half-width vectors.
     j = col % fmt.block_size
-    value = fmt.tir_decode(byte, j.astype("int32") if hasattr(j, "astype") else j)
+    j = j.astype("int32") if hasattr(j, "astype") else j
+    if fmt.table is None:
+        value = fmt.tir_decode(byte, j)
+    elif table is None:
+        raise ValueError(f"{qtype} decodes through a constant table: pass it (table_tensor)")
+    else:
+        value = fmt.tir_decode(byte, j, lambda i: table[i].astype("int32"))
     return value if out_dtype == "float32" else value.astype(out_dtype)
 
 
 def dequantize_te(
-    blocks: te.Tensor, qtype: str, rows: int, cols: int, out_dtype: str = "float32"
+    blocks: te.Tensor,
+    qtype: str,
+    rows: int,
+    cols: int,
+    out_dtype: str = "float32",
+    table: te.Tensor | None = None,
 ) -> te.Tensor:
     """uint8 [rows, row_bytes] GGUF blocks -> out_dtype [rows, cols], a block "dequantize"."""
     row_bytes(qtype, cols)  # validates qtype and cols
     return te.compute(
         (rows, cols),
-        lambda r, c: dequant_value(lambda b: blocks[r, b], qtype, c, out_dtype),
+        lambda r, c: dequant_value(lambda b: blocks[r, b], qtype, c, out_dtype, table),
         name="dequantize",
     )
+
+
+def table_tensor(qtype: str) -> Tensor | None:
+    """The format's constant table (`QuantFormat.table`: the lattice i-quants' grids) as a
+    Relax constant, the kernels' extra input; None for a format without one. One constant
+    per format and build (cached on its data), so the library holds it once."""
+    fmt = get_format(qtype)
+    return None if fmt.table is None else Tensor(_expr=_table_constant(qtype))
+
+
+@functools.cache
+def _table_constant(qtype: str):
+    from tvm import relax
+
+    return relax.const(get_format(qtype).table(), "uint8")
 
 
 # Half-precision kernels sum their products in float32 (llama.cpp's and MLC's GPU kernels do
@@ -61,7 +91,9 @@ def dequantize_te(
 ACCUMULATE = "float32"
 
 
-def quant_matmul_te(x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: str):
+def quant_matmul_te(
+    x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: str, table: te.Tensor | None = None
+):
     """x [..., K] @ dequantize(w)^T -> [..., n]: one PrimFunc holding dequantize + matmul.
 
     The weights dequantize to the compute dtype `out_dtype` (what tensor cores and the
@@ -69,7 +101,7 @@ def quant_matmul_te(x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: s
     accumulate in float32; a half-precision result is then rounded once (a "cast" epilogue).
     """
     k_dim = int(x.shape[-1])
-    deq = dequantize_te(w, qtype, n, k_dim, out_dtype)
+    deq = dequantize_te(w, qtype, n, k_dim, out_dtype, table)
     k = te.reduce_axis((0, k_dim), name="k")
     shape = (*x.shape[:-1], n)
     if out_dtype == ACCUMULATE:
@@ -89,15 +121,24 @@ def quant_matmul_te(x: te.Tensor, w: te.Tensor, qtype: str, n: int, out_dtype: s
 # PrimFunc attribute naming a fused dequantize-matmul's weight format, so that later passes
 # (the CPU's int8-activation decode kernels) can find these kernels without parsing names.
 QUANT_TYPE_ATTR = "tallow.quant_type"
+OUT_ELEMWISE_FUSABLE = 4  # relax's OpPatternKind kOutEWiseFusable
 
 
 def quant_matmul(x: Tensor, w: Tensor, qtype: str, n: int, out_dtype: str) -> Tensor:
-    """`x @ dequantize(w)^T` as one `tensor_expr_op`, tagged with its format."""
+    """`x @ dequantize(w)^T` as one `tensor_expr_op`, tagged with its format (a format with
+    a constant table takes it as a third input: `table_tensor`)."""
+    table = table_tensor(qtype)
+    attrs = {QUANT_TYPE_ATTR: qtype}
+    if table is not None:
+        # a matmul with elementwise-fusable outputs, as the other formats' kernels are found
+        # to be; the analysis would call it opaque (a load indexed by another load's value)
+        # and FuseOps would leave the epilogues (residual add) in kernels of their own
+        attrs["op_pattern"] = OUT_ELEMWISE_FUSABLE
     return op.tensor_expr_op(
-        lambda xt, wt: quant_matmul_te(xt, wt, qtype, n, out_dtype),
+        lambda xt, wt, *tt: quant_matmul_te(xt, wt, qtype, n, out_dtype, *tt),
         name_hint=f"quant_matmul_{qtype}",
-        args=[x, w],
-        attrs={QUANT_TYPE_ATTR: qtype},
+        args=[x, w] if table is None else [x, w, table],
+        attrs=attrs,
     )
 
 
@@ -134,13 +175,13 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         qtype, dim, dt = self.qtype, self.dim, self.out_dtype
 
-        def compute(idt: te.Tensor, wt: te.Tensor) -> te.Tensor:
+        def compute(idt: te.Tensor, wt: te.Tensor, *tt: te.Tensor) -> te.Tensor:
             return te.compute(
                 (*idt.shape, dim),
-                lambda *i: dequant_value(lambda b: wt[idt[i[:-1]], b], qtype, i[-1], dt),
+                lambda *i: dequant_value(lambda b: wt[idt[i[:-1]], b], qtype, i[-1], dt, *tt),
                 name="dequantize",
             )
 
-        return op.tensor_expr_op(
-            compute, name_hint=f"quant_embedding_{qtype}", args=[ids, self.weight]
-        )
+        table = table_tensor(qtype)
+        args = [ids, self.weight] if table is None else [ids, self.weight, table]
+        return op.tensor_expr_op(compute, name_hint=f"quant_embedding_{qtype}", args=args)

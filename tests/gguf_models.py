@@ -87,16 +87,18 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def quantized_tensor(arr: np.ndarray, qtype: str):
     """(uint8 blocks, GGML type) of `arr` in block type `qtype`, quantized as llama.cpp does:
     by the `gguf` package's own quantizer where it has one (the legacy types), else by
-    tallow's numpy codec (the K-quants, which gguf can only dequantize)."""
+    tallow's numpy codec (the K-quants, which gguf can only dequantize), else (the lattice
+    i-quants, which neither writes) random valid blocks (`quant_blocks.weight_blocks`)."""
     import gguf
+    from quant_blocks import weight_blocks
 
-    from tallow.compiler.quant import QUANT_FORMATS, quantize
+    from tallow.compiler.quant import QUANT_FORMATS
 
     ggml_type = QUANT_FORMATS[qtype].ggml_type
     try:
         blocks = gguf.quants.quantize(arr, ggml_type)
     except NotImplementedError:
-        blocks = quantize(arr, qtype)
+        blocks = weight_blocks(arr.reshape(-1, arr.shape[-1]), qtype)
     return np.ascontiguousarray(blocks, np.uint8), ggml_type
 
 

@@ -24,6 +24,9 @@ from tallow.compiler.target import BuildReport, resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
 
+# the formats with int8-activation kernels (the TQ types have none: float kernels)
+INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None]
+
 TARGET = resolve_target("cpu", "f32").tvm()
 HAS_VNNI = int8_vnni.supported(TARGET)
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
@@ -119,7 +122,7 @@ def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
     assert np.abs(got.reshape(float_ref.shape) - float_ref).max() > 1e-3
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_gemv_matches_numpy(qtype):
     """Every format, one static row (`decode`): the single-row kernel."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
@@ -171,7 +174,7 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     _check(out.numpy(), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
@@ -198,7 +201,7 @@ def _batched_kernel(qtype: str, vnni: bool = False):
 
 
 @pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
     """`--deterministic` (docs/cpu-kernels.md#deterministic-mode): row r of a batch of B, for
     B from 1 to 17, equals row r alone, bit for bit, through `batch_decode`'s kernel: the AVX2
@@ -220,7 +223,7 @@ def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_tiles_match_numpy(qtype):
     """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
     CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
@@ -248,7 +251,7 @@ def test_row_tiles_without_column_tiles(qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_batched_at_extreme_codes(qtype):
     """Weight groups at their largest codes against full-scale activations of the same
     signs: the sums reach the int16 and int32 bounds the kernels add within (every group's

@@ -26,11 +26,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from quant_blocks import weight_blocks
 from tvm import relax
 from tvm.relax.frontend import nn
 
 from tallow.compiler.backends import resolve_target
-from tallow.compiler.quant import QUANT_FORMATS, quantize
+from tallow.compiler.quant import QUANT_FORMATS
 from tallow.compiler.relax_pipeline import lower_module
 from tallow.model_defs.quant_ops import QuantLinear
 
@@ -95,7 +96,7 @@ def test_half_quant_matmul_matches_gguf(dtype):
     blocks, ref_w = {}, {}
     for qtype, fmt in QUANT_FORMATS.items():
         w32 = rng.standard_normal((n, k)).astype(np.float32) * 0.5 + 0.05
-        blocks[qtype] = quantize(w32, qtype)
+        blocks[qtype] = weight_blocks(w32, qtype)
         # the oracle's weights: gguf's dequantized f32 values (rounded once to f16)
         w = gguf.quants.dequantize(blocks[qtype], fmt.ggml_type).reshape(n, k)
         ref_w[qtype] = np.asarray(w, np.float32).astype(CPU_WEIGHTS[dtype])

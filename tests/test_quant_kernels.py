@@ -14,11 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import tvm
+from quant_blocks import weight_blocks
 from tvm import relax, s_tir, te
 from tvm.relax.frontend import nn
 from tvm.target import Target
 
-from tallow.compiler.quant import QUANT_FORMATS, quantize
+from tallow.compiler.quant import QUANT_FORMATS
 from tallow.compiler.relax_pipeline import fusion_passes, vm_lowering_passes
 from tallow.model_defs.quant_ops import (
     QuantEmbedding,
@@ -37,7 +38,7 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
     # heavy-ish tails and an offset so q4_1/q5_1 minimums and K-quant mins are exercised
     x = rng.standard_normal((rows, cols)).astype(np.float32) * 0.7 + 0.1
     x[:, ::37] *= 4.0
-    return quantize(x, qtype)
+    return weight_blocks(x, qtype, seed)
 
 
 def _gguf_dequant(blocks: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -50,10 +51,14 @@ def test_dequantize_bit_exact(qtype):
     rows, cols = 5, 512
     b = _blocks(qtype, rows, cols, seed=1)
     w = te.placeholder((rows, row_bytes(qtype, cols)), "uint8", name="w")
-    func = te.create_prim_func([w, dequantize_te(w, qtype, rows, cols)])
+    table = QUANT_FORMATS[qtype].table  # a lattice i-quant's grid: one more input
+    inputs = [b] if table is None else [b, table()]
+    tt = [w] if table is None else [w, te.placeholder(table().shape, "uint8", name="table")]
+    deq = dequantize_te(w, qtype, rows, cols, table=tt[1] if len(tt) > 1 else None)
+    func = te.create_prim_func([*tt, deq])
     lib = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
     out = tvm.runtime.empty((rows, cols), "float32")
-    lib["main"](tvm.runtime.tensor(b), out)
+    lib["main"](*(tvm.runtime.tensor(a) for a in inputs), out)
     ref = _gguf_dequant(b, qtype, rows, cols)
     np.testing.assert_array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))
 

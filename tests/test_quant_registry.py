@@ -9,6 +9,8 @@ a new format needs nothing outside its own module.
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from tallow.compiler.quant import (
 from tallow.compiler.quant.tir_bytes import f32, half, signed
 from tallow.compiler.quant_plan import check_quant_option, make_plan, quant_choices
 from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR, dequantize_te, quant_matmul_te, row_bytes
+from tallow.runtime.errors import TargetError
 from tallow.schedules.cpu import quant as cpu_quant
 
 GGML = gguf.GGMLQuantizationType
@@ -51,8 +54,10 @@ def test_cli_quant_names_are_the_registry(capsys):
     names = quant_format_names()
     assert names[:3] == ("f32", "f16", "bf16") and quant_choices() == names
     # every registered format can be asked for alone (FORMAT:all), and names a mix too
-    assert {f"{f}:all" for f in QUANT_FORMATS} <= set(names)
-    assert all(f in names for f in QUANT_FORMATS)
+    writable = [f for f, fmt in QUANT_FORMATS.items() if fmt.quantize_blocks is not None]
+    assert {f"{f}:all" for f in writable} <= set(names)
+    assert all(f in names for f in writable)
+    assert not {f for f in QUANT_FORMATS if f not in writable} & set(names)
     with pytest.raises(SystemExit):
         main(["compile", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
@@ -73,7 +78,12 @@ def test_format_is_consistent(name):
         assert fmt.block_size % 32 == 0  # the int8 kernels work in groups of 32 weights
         if fmt.int8.column_tiles:
             assert fmt.int8.max_code is not None  # column tiles size their int16 sums by it
-    check_quant_option(name, "f32")
+    if fmt.quantize_blocks is None:  # read only: `--quant` refuses it, saying why
+        assert fmt.no_quantizer
+        with pytest.raises(TargetError, match=re.escape(fmt.no_quantizer)):
+            check_quant_option(name, "f32")
+    else:
+        check_quant_option(name, "f32")
 
 
 def test_registry_errors():
@@ -81,7 +91,7 @@ def test_registry_errors():
         get_format("q4_k")
     with pytest.raises(ValueError, match="already registered"):
         register_format(QUANT_FORMATS["q4_0"])
-    with pytest.raises(ValueError, match="q2k, q3k fall back to it"):
+    with pytest.raises(ValueError, match="q2k, q3k, tq1_0, tq2_0 fall back to it"):
         unregister_format("q4_0")
 
 

@@ -19,7 +19,8 @@ from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
 LEGACY = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 KQUANTS = ["q2k", "q3k", "q4k", "q5k", "q6k"]
 IQUANTS = ["iq4_nl", "iq4_xs"]
-ALL = LEGACY + KQUANTS + IQUANTS
+LOWBIT = ["tq1_0", "tq2_0", "mxfp4"]
+ALL = LEGACY + KQUANTS + IQUANTS + LOWBIT
 
 # Round-trip RMS error / data RMS on N(0, 1) data of shape (256, 1024), seed 1.
 # Measured: q8_0 0.54%, q4_0 8.63%, q4_1 7.85%, q5_0 4.29%, q5_1 3.80%,
@@ -40,6 +41,12 @@ RMS_BOUND = {
     "q6k": 0.0182,
     "iq4_nl": 0.077,
     "iq4_xs": 0.078,
+    # measured tq1_0 and tq2_0 81.0% (the same ternary values; absmax scale, as llama.cpp's:
+    # these formats are for ternary-trained weights, `test_lowbit_quants` checks those round
+    # trip exactly), mxfp4 11.5% (E2M1 under a power-of-two scale)
+    "tq1_0": 0.85,
+    "tq2_0": 0.85,
+    "mxfp4": 0.121,
 }
 
 
@@ -77,7 +84,9 @@ def _gguf_type(name: str) -> gguf.GGMLQuantizationType:
 
 
 def test_quant_types_metadata():
-    assert list(QUANT_FORMATS) == ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *KQUANTS, *IQUANTS]
+    # the lattice i-quants, read only (no quantizer: tests/test_iquants_grid.py), list last
+    grids = ["iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m"]
+    assert list(QUANT_FORMATS) == [*LEGACY, *KQUANTS, *IQUANTS, *LOWBIT, *grids]
     for name, qt in QUANT_FORMATS.items():
         assert qt.name == name
         assert (qt.block_size, qt.type_size) == GGML_QUANT_SIZES[qt.ggml_type]
@@ -127,7 +136,9 @@ def test_special_blocks(name):
     qt = QUANT_FORMATS[name]
     z = np.zeros((2, 2 * qt.block_size), np.float32)
     assert not dequantize(quantize(z, name), name, z.shape).any()
-    for c in (0.75, -1.25):
+    # a constant block is stored exactly (MXFP4's E2M1 values times a power of two hold 0.75
+    # and 1.5, not 1.25)
+    for c in (0.75, -1.5 if name == "mxfp4" else -1.25):
         x = np.full((1, qt.block_size), c, np.float32)
         y = dequantize(quantize(x, name), name, x.shape)
         np.testing.assert_allclose(y, x, rtol=2e-3)

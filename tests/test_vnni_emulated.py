@@ -25,6 +25,9 @@ from tallow.compiler.quant import QUANT_FORMATS
 from tallow.schedules.cpu import int8_gemv, int8_vnni, int8_vnni_legacy, int8_vnni_row
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
+# the formats with int8-activation kernels (the TQ types have none: float kernels)
+INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None]
+
 pytestmark = pytest.mark.skipif(not int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
 
 
@@ -50,7 +53,7 @@ def _k(qtype: str, legacy: int, blocks: int) -> int:
     return legacy if QUANT_FORMATS[qtype].block_size == 32 else blocks
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_row_kernel(emulated, qtype):
     """`decode`'s VNNI one-row kernel (`int8_vnni_row`): 22 groups (16 and a tail of 6) or
     3 super-blocks, and a row of 2 groups shorter than the legacy 64-byte window."""
@@ -61,7 +64,7 @@ def test_vnni_row_kernel(emulated, qtype):
         _check(kernel(x, blocks, 32), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_tiles(emulated, qtype):
     """`batch_decode`'s 16-column tiles (`int8_vnni`): partial, whole and several tiles of
     sequences, four 16-column blocks."""
@@ -73,7 +76,7 @@ def test_vnni_tiles(emulated, qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_prefill(emulated, qtype):
     """Prefill's int8 tiles (`int8_prefill`: the VNNI tiles over token rows)."""
     k, n = _k(qtype, 96, 512), 64

@@ -158,6 +158,12 @@ class TargetBackend(ABC):
         """Raise `TargetError` when this target cannot run `dtype` (default: all of DTYPES)."""
         return None
 
+    def check_formats(self, types: dict) -> None:
+        """Raise `TargetError` when this target cannot run a weight's block format. `types`:
+        parameter name -> format name or a tuple of them (`QuantPlan.module_types`);
+        default: every registered format."""
+        return None
+
     def natural_dtype(self, model_dtype: str | None) -> str:
         """The compute dtype without `--dtype` (a DTYPES key). `model_dtype`: the dtype the
         model was trained in, from its config's `torch_dtype` (None for a GGUF or when

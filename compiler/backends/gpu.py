@@ -36,6 +36,19 @@ class GPUBackend(TargetBackend):
 
         return _pass
 
+    def check_formats(self, types: dict) -> None:
+        from tallow.compiler.quant.registry import QUANT_FORMATS
+        from tallow.runtime.errors import TargetError
+
+        for name, kinds in types.items():
+            for kind in (kinds,) if isinstance(kinds, str) else kinds:
+                fmt = QUANT_FORMATS.get(kind)
+                if fmt is not None and not fmt.gpu:
+                    raise TargetError(
+                        f"--target {self.name}: weight {name} is {fmt.ggml_type.name}, a block "
+                        f"type the GPU schedules do not take (yet); compile it for the cpu"
+                    )
+
     def pass_config(self) -> dict:
         """PassContext configuration beyond `GPU_TIR_CONFIG`."""
         return {}

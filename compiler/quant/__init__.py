@@ -1,7 +1,8 @@
 """Weight block formats: the registry (`QUANT_FORMATS`) and numpy quantize / dequantize.
 
 Each format family is one package that registers its formats (`legacy`, `kquants`,
-`iquants`; see `format.QuantFormat` for what a format holds and `registry` for the table).
+`iquants`, `lowbit` (TQ1_0, TQ2_0, MXFP4), `grids` (the lattice i-quants, read only);
+see `format.QuantFormat` for what a format holds and `registry` for the table).
 
 ``quantize(array, name)`` turns a float array whose last dimension is a multiple of the type's
 block size into ``uint8[rows, row_bytes]`` laid out byte for byte as llama.cpp / GGUF store the
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import iquants, kquants, legacy  # noqa: F401 - the families register their formats on import
+from . import grids, iquants, kquants, legacy, lowbit  # noqa: F401 - families register themselves
 from .format import Int8Codes, Lazy, LeadingScale, QuantFormat
 from .registry import (
     QUANT_FORMATS,
@@ -70,6 +71,8 @@ def _map_chunks(fn: Callable[[np.ndarray], np.ndarray], src: np.ndarray, out: np
 def quantize(array: np.ndarray, name: str) -> np.ndarray:
     """Quantize ``array`` (last dimension = row) to ``uint8[rows, row_bytes]``."""
     qt = get_format(name)
+    if qt.quantize_blocks is None:
+        raise ValueError(f"cannot quantize to {name}: {qt.no_quantizer}")
     array = np.asarray(array)
     if array.ndim == 0 or array.shape[-1] % qt.block_size != 0 or array.shape[-1] == 0:
         raise ValueError(

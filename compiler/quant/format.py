@@ -97,15 +97,25 @@ class QuantFormat:
     ggml_type: Any  # gguf.GGMLQuantizationType, or None
     block_size: int
     type_size: int
-    # [n_blocks, block_size] float32 -> [n_blocks, type_size] uint8, and back
-    quantize_blocks: Callable
+    # [n_blocks, block_size] float32 -> [n_blocks, type_size] uint8, and back; None: tallow
+    # reads the format but does not write it (`no_quantizer` says why)
+    quantize_blocks: Callable | None
     dequantize_blocks: Callable
+    # with `table`, the decoder takes a third argument: `table(i)`, byte i of the table
     tir_decode: TirDecoder
     # the format a `--quant` weight takes when its row length is not a multiple of
     # `block_size` (llama.cpp's choice; its block size a proper divisor of ours); None: the
     # weight stays float
     fallback: str | None = None
     int8: Int8Codes | None = None  # None: no int8-activation decode kernels
+    # `table() -> uint8 ndarray`: constant data the TIR decoder reads (the lattice i-quants'
+    # grids), handed to the fused kernels as a constant parameter (`model_defs.quant_ops`);
+    # the GPU schedules and the MoE kernels do not take such formats
+    table: Callable | None = None
+    no_quantizer: str | None = None  # why `quantize_blocks` is None
+    # False: the GPU schedules do not take this format (checked on OpenCL/PoCL, see the
+    # family's docstring); a compile for a GPU target refuses it at once
+    gpu: bool = True
 
     @property
     def bits_per_weight(self) -> float:

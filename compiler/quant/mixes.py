@@ -24,7 +24,9 @@ for dense decoders, and `tests/data/llamacpp_mixes.json` (written by llama.cpp i
 `FORMAT:all` (e.g. `q4k:all`) puts every weight in one format: no head promotion, no rules.
 Left out: llama.cpp's branches for Falcon and the IQ/TQ/MXFP4 ftypes. tallow stores two of
 the i-quants (iq4_nl, iq4_xs), but without a llama.cpp run to check their recipes against,
-`--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`).
+`--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`); so are
+tq1_0, tq2_0 and mxfp4. Formats tallow reads but does not write (the lattice i-quants,
+`QuantFormat.no_quantizer`) are no mix: `unwritable_reason` says why.
 
 Tensors are named as in GGUF files (`token_embd.weight`, `output.weight`,
 `blk.{i}.attn_q.weight`, ...), shapes in numpy order ([rows, cols] or [experts, rows, cols];
@@ -248,24 +250,37 @@ def uniform_mix(fmt: str) -> Mix:
     return Mix(fmt, None, fmt, pure=True)
 
 
+def _writable() -> list[str]:
+    """The formats tallow can quantize to (some are read only: `QuantFormat.no_quantizer`)."""
+    return [f for f, fmt in QUANT_FORMATS.items() if fmt.quantize_blocks is not None]
+
+
 def find_mix(name: str) -> Mix | None:
     """The mix a `--quant` name means, or None: a mix name or llama.cpp ftype name (any
     case), an alias (q4k = q4k_m), `FORMAT:all`, or a registered format that no mix is
-    named after (uniform, as `FORMAT:all`)."""
+    named after (uniform, as `FORMAT:all`); a format without a quantizer is none of these
+    (`unwritable_reason` says why)."""
     n = _normal(name)
     if n.endswith(ALL_SUFFIX):
         fmt = _normal(n.removesuffix(ALL_SUFFIX))
-        return uniform_mix(fmt) if fmt in QUANT_FORMATS else None
+        return uniform_mix(fmt) if fmt in _writable() else None
     n = ALIASES.get(n, n)
     if n in MIXES:
         return MIXES[n]
-    if n in QUANT_FORMATS:
+    if n in _writable():
         return uniform_mix(n)
     return None
+
+
+def unwritable_reason(name: str) -> str | None:
+    """Why `--quant name` (or `name:all`) cannot be written, when it names a format tallow
+    reads but does not quantize to; else None."""
+    fmt = QUANT_FORMATS.get(_normal(_normal(name).removesuffix(ALL_SUFFIX)))
+    return fmt.no_quantizer if fmt is not None and fmt.quantize_blocks is None else None
 
 
 def mix_names() -> tuple[str, ...]:
     """Every name `find_mix` accepts in its canonical spelling (ftype spellings aside):
     the mixes, the aliases, formats without a mix of their own, `FORMAT:all`."""
-    bare = tuple(f for f in QUANT_FORMATS if f not in MIXES and f not in ALIASES)
-    return (*MIXES, *ALIASES, *bare, *(f + ALL_SUFFIX for f in QUANT_FORMATS))
+    bare = tuple(f for f in _writable() if f not in MIXES and f not in ALIASES)
+    return (*MIXES, *ALIASES, *bare, *(f + ALL_SUFFIX for f in _writable()))

@@ -27,21 +27,22 @@ from .numpy_codec import TABLE
 from .tir_decode import xs_group_scale
 
 
-def _table_vector():
-    """int8x32: TABLE in each 128-bit half, built from two int64 constants."""
-    raw = bytes(int(v) & 0xFF for v in TABLE)
+def _table_vector(table):
+    """int8x32: `table` (16 int8 values) in each 128-bit half, from two int64 constants."""
+    raw = bytes(int(v) & 0xFF for v in table)
     lo, hi = (int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8))
     pair = [tirx.Broadcast(tirx.const(v, "int64"), 2) for v in (lo, hi)]
     words = tirx.Shuffle(pair, [tirx.const(i, "int32") for i in (0, 2, 1, 3)])
     return tirx.reinterpret("int8x32", words)
 
 
-def table_codes(indices):
-    """uint8x32 table indices (0..15) -> int8x32 table values."""
+def table_codes(indices, table=TABLE):
+    """uint8x32 table indices (0..15) -> int8x32 values of `table` (16 int8 values; the
+    i-quants' by default, MXFP4's doubled E2M1 values in `lowbit`)."""
     return T.call_llvm_pure_intrin(
         "int8x32",
         "llvm.x86.avx2.pshuf.b",
-        _table_vector(),
+        _table_vector(table),
         tirx.reinterpret("int8x32", indices),
     )
 

@@ -1,0 +1,71 @@
+"""llama.cpp's lattice i-quants: IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S, IQ1_M.
+
+Each stores groups of 8 (IQ3: 4) weights as an index into a fixed grid of 256 to 2048
+lattice points (`tables`, taken from the `gguf` package), with sign bits and small scales
+under one f16. These are what llama.cpp's IQ3_M / IQ2_M / IQ1_M and the "dynamic" GGUFs put
+in most layers. Registers them in `tallow.compiler.quant.registry`: decoders written once
+for numpy and TIR in `decoders` (run by `numpy_codec` and `tir_decode`), the grid handed to
+the fused kernels as a constant uint8 parameter (`QuantFormat.table`; `tir_decode` says
+why that way).
+
+What runs: the CPU's float fused dequantize-matmul (no int8-activation groups: a code is a
+grid lookup per 8 weights, which the int8 tiles' vector code-unpacking does not express),
+dense layers, the embedding and the head; not the MoE grouped kernels nor the GPU
+schedules, which refuse these types when compiling. Measured (2048 x 2048 decode
+matmul, one row, float fused kernel, 1 thread, CPU time, weights in cache, 2-core Zen 3):
+iq1_s 1.76 ms, iq1_m 2.50, iq2_s 2.98, iq3_xxs 3.09, iq2_xxs 3.14, iq2_xs 3.28,
+iq3_s 3.46; on the same kernel q4_0 1.36, q4k 2.97, iq4_xs 5.31; the int8 kernels that
+q4_0 and mxfp4 take instead run it in 0.18 and 0.22 ms (`benchmarks/decode_matmul.py`).
+
+No quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one
+line): llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance
+matrix, which tallow does not compute; IQ3_S and IQ3_XXS need none, but their grid search
+is not written yet. A row length that is not a multiple of 256 needs no fallback: these
+are only read, and llama.cpp's files store such tensors in another type themselves.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from gguf import GGMLQuantizationType as GGML
+
+from .. import lowbit  # noqa: F401 - the older families first: they list before ours
+from ..format import Lazy, QuantFormat
+from ..registry import register_format
+from . import numpy_codec as codec
+from .tables import grid_bytes
+
+_TIR = f"{__name__}.tir_decode"
+NEEDS_IMATRIX = (
+    "llama.cpp's recipe for it needs an importance matrix (llama-quantize --imatrix), which "
+    "tallow does not compute"
+)
+NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it (yet)"
+
+
+def _grid_format(name, ggml_type, type_size, no_quantizer) -> QuantFormat:
+    return QuantFormat(
+        gpu=False,
+        name=name,
+        ggml_type=ggml_type,
+        block_size=256,
+        type_size=type_size,
+        quantize_blocks=None,
+        dequantize_blocks=codec.decoder(name),
+        tir_decode=Lazy(_TIR, name),
+        table=partial(grid_bytes, name),
+        no_quantizer=no_quantizer,
+    )
+
+
+for _fmt in (
+    _grid_format("iq3_s", GGML.IQ3_S, 110, NOT_WRITTEN),
+    _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
+    _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX),
+    _grid_format("iq2_xs", GGML.IQ2_XS, 74, NEEDS_IMATRIX),
+    _grid_format("iq2_xxs", GGML.IQ2_XXS, 66, NEEDS_IMATRIX),
+    _grid_format("iq1_s", GGML.IQ1_S, 50, NEEDS_IMATRIX),
+    _grid_format("iq1_m", GGML.IQ1_M, 56, NEEDS_IMATRIX),
+):
+    register_format(_fmt)
