@@ -6,6 +6,7 @@ another alone, and `tallow generate` encodes a conversation exactly as the serve
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import subprocess
 import sys
@@ -102,6 +103,26 @@ def test_every_route_registered_once_in_its_own_module(bundle):
     assert Counter((m, r.path) for r in api for m in r.methods) == Counter(ROUTER_ROUTES)
     for r in api:
         assert r.endpoint.__module__.startswith("tallow.server.routes."), r.path
+
+
+def test_no_route_or_dependency_runs_on_a_worker_thread(bundle):
+    """FastAPI runs a plain `def` endpoint or dependency on anyio's worker threads (lazily
+    started, up to 40): a thread hop per request, and a thread count that grows with load (the
+    soak's "threads flat" caught `get_context`). Blocking work goes through `off_loop`."""
+    app = create_app(Engine(fake_runner(bundle), tokenizer=bundle.tokenizer), MODEL)
+
+    def calls(dependant):
+        yield dependant.call
+        for sub in dependant.dependencies:
+            yield from calls(sub)
+
+    sync = {
+        (r.path, getattr(call, "__qualname__", repr(call)))
+        for r in api_routes(app)
+        for call in calls(r.dependant)
+        if call is not None and not inspect.iscoroutinefunction(call)
+    }
+    assert not sync
 
 
 def test_every_route_is_reachable(server):

@@ -137,9 +137,9 @@ def test_bf16_has_no_wgsl_type():
 @pytest.mark.slow
 @pytest.mark.parametrize("warp", ["workgroup_memory", "subgroup"])
 def test_every_quant_format_f16(warp):
-    """Every registered format, f16, the decode GEMV, batched decode at 1 to 64 rows and
-    prefill, K 512 x N 60 (no whole column tile)."""
+    """Every format the GPU schedules take (a GPU compile refuses the others), f16, the
+    decode GEMV, batched decode at 1 to 64 rows and prefill, K 512 x N 60 (no whole column
+    tile)."""
     runner = WGPUKernels if warp == "workgroup_memory" else _at(subgroup_size())
-    cases.check_quant_matmuls(
-        list(QUANT_FORMATS), SWEEP_ROWS, "float16", runner=runner, half=True, **SWEEP
-    )
+    gpu_types = [t for t, f in QUANT_FORMATS.items() if f.gpu]
+    cases.check_quant_matmuls(gpu_types, SWEEP_ROWS, "float16", runner=runner, half=True, **SWEEP)
