@@ -95,7 +95,12 @@ def llama_cpp_quantize(source: Path, ftype: str, out: Path) -> Path:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    # F32 is LLAMA_FTYPE_ALL_F32; every other ftype LLAMA_FTYPE_MOSTLY_*
+    params.ftype = getattr(
+        llama_cpp,
+        f"LLAMA_FTYPE_MOSTLY_{ftype}",
+        getattr(llama_cpp, f"LLAMA_FTYPE_ALL_{ftype}", None),
+    )
     params.allow_requantize = True
     params.nthread = 2
     dst = out / f"llama-cpp-{ftype}.gguf"

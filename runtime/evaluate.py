@@ -76,7 +76,7 @@ def text_tokens(runner: TVMModelRunner, text: str) -> list[int]:
     """The token stream of a text: special-token spellings stay text; BOS first when the
     tokenizer adds one."""
     ids = ServedModel.from_runner(runner).encode_text(text, add_special_tokens=False)
-    bos = _bos(runner)
+    bos = bos_of(runner)
     return ids if bos is None else [bos, *ids]
 
 
@@ -91,7 +91,7 @@ def check_same_vocabulary(runner, reference) -> None:
         )
     ours = runner.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
     theirs = reference.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-    if ours != theirs or _bos(runner) != _bos(reference):
+    if ours != theirs or bos_of(runner) != bos_of(reference):
         differing = sorted(set(ours.items()) ^ set(theirs.items()))
         example = f" (e.g. {differing[0][0]!r})" if differing else " (BOS differs)"
         raise EvalError(
@@ -123,6 +123,10 @@ def windows(tokens: list[int], context: int, bos: int | None) -> list[list[int]]
     return out
 
 
+# (window tokens, first scored position) -> logits after positions first .. len(window)-2
+WindowLogits = Callable[[list[int], int], np.ndarray]
+
+
 def evaluate(
     runner: TVMModelRunner,
     tokens: list[int],
@@ -138,13 +142,40 @@ def evaluate(
             _check_runner(r, context)
     if reference is not None:
         check_same_vocabulary(runner, reference)
-    chunks = windows(tokens, context, _bos(runner))
+    return evaluate_logits(
+        _window_logits(runner),
+        tokens,
+        context,
+        bos_of(runner),
+        _window_logits(reference),
+        on_window,
+    )
+
+
+def _window_logits(runner: TVMModelRunner | None) -> WindowLogits | None:
+    if runner is None:
+        return None
+    return lambda window, first: all_position_logits(runner, window, start=first)[:-1]
+
+
+def evaluate_logits(
+    logits_of: WindowLogits,
+    tokens: list[int],
+    context: int,
+    bos: int | None,
+    reference_of: WindowLogits | None = None,
+    on_window: Callable[[int, int], None] | None = None,
+) -> EvalResult:
+    """`evaluate` over any source of window logits: so another engine's logits
+    (`benchmarks/llama_cpp_parity.py`: llama.cpp's on the same GGUF) are scored by the very
+    code, windows and statistics that score tallow's."""
+    chunks = windows(tokens, context, bos)
     first = context // 2
     totals = _Totals()
     for done, window in enumerate(chunks, 1):
         targets = np.asarray(window[first + 1 :])
-        logits = all_position_logits(runner, window, start=first)[:-1]
-        ref = all_position_logits(reference, window, start=first)[:-1] if reference else None
+        logits = logits_of(window, first)
+        ref = reference_of(window, first) if reference_of else None
         for start in range(0, len(targets), _ROWS_PER_BLOCK):
             rows = slice(start, start + _ROWS_PER_BLOCK)
             totals.add(logits[rows], targets[rows], None if ref is None else ref[rows])
@@ -202,7 +233,8 @@ def _check_runner(runner: TVMModelRunner, context: int) -> None:
         )
 
 
-def _bos(runner) -> int | None:
+def bos_of(runner) -> int | None:
+    """The token each window starts with, or None (see the module docstring)."""
     bundle = runner.tokenizer
     return bundle.bos_token_id if bundle.add_bos_token else None
 
