@@ -111,7 +111,9 @@ def profile(
 
     top = max(batches)
     pages = (context + WARMUP_STEPS + 2 * steps + 64) * (top + 1)
-    runner = TVMModelRunner(art, kv=KVCacheConfig(top, pages, 512), threads=threads)
+    # the prompt in one forward: a prefill chunk as long as the context (default 512)
+    chunk = max(512, context)
+    runner = TVMModelRunner(art, kv=KVCacheConfig(top, pages, chunk), threads=threads)
     runner.batch_invariant = deterministic
     # weight names without the layer: "mlp.down_proj" for "model.layers.3.mlp.down_proj.weight"
     names = [p.name for p in runner.manifest.params_for(runner.library)]
