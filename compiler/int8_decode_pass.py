@@ -4,9 +4,10 @@ The model emits every quantized linear layer as one fused dequantize-matmul Prim
 with its weight format (`model_defs.quant_ops.QUANT_TYPE_ATTR`). In `decode` and
 `batch_decode` its input is `[batch, 1, K]`: one token per sequence. For those kernels this
 pass substitutes `schedules.cpu.int8_gemv`'s hand-written kernel, with the same parameters
-(x, w, out), before fusion: it is marked opaque, so fusion leaves it whole (an epilogue such
-as a bias add stays a separate, small kernel). Prefill kernels (a symbolic token axis) keep
-float activations and the tiled schedule.
+(x, w, out; x, w, table, out for a format with a constant table, whose int8 kernel serves
+`decode`'s one row only: `int8_codes.one_row_only`), before fusion: it is marked opaque, so
+fusion leaves it whole (an epilogue such as a bias add stays a separate, small kernel).
+Prefill kernels (a symbolic token axis) keep float activations and the tiled schedule.
 
 On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu.int8_vnni`'s column tiles
 and `decode`'s one-row kernels `int8_vnni_row`'s (the same numbers, fewer instructions);
@@ -37,11 +38,19 @@ def int8_kernel_for(func, vnni: bool = False):
     from tallow.compiler.quant import get_format
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules.cpu import int8_gemv
+    from tallow.schedules.cpu.int8_codes import one_row_only
     from tallow.schedules.tir_common import static_extent
 
-    if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
+    if not func.attrs or QUANT_TYPE_ATTR not in func.attrs:
         return None
-    x, w, out = func.params  # TVM 0.27: parameters carry their buffer shape and dtype
+    qtype = str(func.attrs[QUANT_TYPE_ATTR])
+    fmt = get_format(qtype)
+    if fmt.int8 is None:  # a format without int8 groups keeps its kernel
+        return None
+    # (x, w, out), or (x, w, table, out) for a format with a constant table
+    if len(func.params) != (3 if fmt.table is None else 4):
+        return None
+    x, w, out = func.params[0], func.params[1], func.params[-1]  # buffer shape and dtype
     if len(x.shape) != 3 or static_extent(x.shape[1]) != 1 or len(w.shape) != 2:
         return None
     if str(x.dtype) != "float32" or str(out.dtype) != "float32":
@@ -49,10 +58,10 @@ def int8_kernel_for(func, vnni: bool = False):
     k, n = static_extent(x.shape[2]), static_extent(w.shape[0])
     if k is None or n is None or k % int8_gemv.LANES or n % int8_gemv.N_CHUNK:
         return None
-    qtype = str(func.attrs[QUANT_TYPE_ATTR])
-    if get_format(qtype).int8 is None:  # a format without int8 groups keeps its kernel
+    batch = static_extent(x.shape[0])
+    if batch != 1 and one_row_only(qtype):  # batch_decode keeps the float kernel
         return None
-    return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
+    return int8_gemv.gemv_kernel(qtype, n, k, batch, vnni=vnni)
 
 
 def substitute_kernels(mod, kernel_for) -> int:

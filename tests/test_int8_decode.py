@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import tvm
+from quant_blocks import weight_blocks
 from tvm.relax.frontend import nn
 from tvm.target import Target
 
@@ -23,9 +24,13 @@ from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.compiler.target import BuildReport, resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
+from tallow.schedules.cpu.int8_codes import one_row_only
 
-# the formats with int8-activation kernels (the TQ types have none: float kernels)
+# the formats with int8-activation kernels (the TQ types have none: float kernels), and those
+# of them whose batched kernels take int8 activations too (not the lattice i-quants: their
+# grid table reaches `decode`'s one-row kernel only, `int8_codes.one_row_only`)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None]
+BATCHED_TYPES = [q for q in INT8_TYPES if not one_row_only(q)]
 
 TARGET = resolve_target("cpu", "f32").tvm()
 HAS_VNNI = int8_vnni.supported(TARGET)
@@ -38,7 +43,7 @@ def _weights(qtype: str, n: int, k: int, seed: int):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.7 + 0.1
     w[:, ::37] *= 4.0  # heavy-ish tails, and an offset for the formats' mins
-    blocks = quantize(w, qtype)
+    blocks = weight_blocks(w, qtype, seed)  # tallow's quantizer, or random valid blocks
     deq = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type).reshape(n, k)
     return blocks, deq.astype(np.float64)
 
@@ -97,17 +102,21 @@ def test_rounding_is_as_fine_as_q8_0():
     assert slack.max() > 1 / 64  # the outlier row really has groups with small m
 
 
-def _run(func, x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
-    return _build(func)(x, blocks, n)
+def _run(func, x: np.ndarray, blocks: np.ndarray, n: int, qtype: str = "") -> np.ndarray:
+    return _build(func, qtype)(x, blocks, n)
 
 
-def _build(func):
+def _build(func, qtype: str = ""):
+    """`func` compiled, as call(x, blocks, n); `qtype`'s table (a lattice i-quant's grid)
+    passed where the kernel takes one."""
     with TARGET:
         lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), TARGET)
+    table = QUANT_FORMATS[qtype].table if qtype and QUANT_FORMATS[qtype].table else None
+    tables = [tvm.runtime.tensor(np.ascontiguousarray(table()))] if table else []
 
     def call(x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
         out = tvm.runtime.empty((x.shape[0], 1, n), "float32")
-        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), *tables, out)
         return out.numpy()
 
     return call
@@ -129,7 +138,7 @@ def test_gemv_matches_numpy(qtype):
     n = 48
     blocks, deq = _weights(qtype, n, k, seed=1)
     x = _activations(1, k, seed=2)
-    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n), x, deq)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype), x, deq)
 
 
 @needs_vnni
@@ -174,7 +183,7 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     _check(out.numpy(), x, deq)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", BATCHED_TYPES)
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
@@ -201,7 +210,7 @@ def _batched_kernel(qtype: str, vnni: bool = False):
 
 
 @pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", BATCHED_TYPES)
 def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
     """`--deterministic` (docs/cpu-kernels.md#deterministic-mode): row r of a batch of B, for
     B from 1 to 17, equals row r alone, bit for bit, through `batch_decode`'s kernel: the AVX2
@@ -223,7 +232,7 @@ def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", BATCHED_TYPES)
 def test_vnni_tiles_match_numpy(qtype):
     """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
     CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
@@ -251,7 +260,7 @@ def test_row_tiles_without_column_tiles(qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", BATCHED_TYPES)
 def test_batched_at_extreme_codes(qtype):
     """Weight groups at their largest codes against full-scale activations of the same
     signs: the sums reach the int16 and int32 bounds the kernels add within (every group's
@@ -342,6 +351,26 @@ def test_pass_replaces_decode_kernels_only():
         "int8_decode_kernels": 2,
         "int8_decode_tiles": "avx2",
     }
+
+
+def test_pass_gives_a_lattice_type_the_one_row_kernel_only():
+    """An IQ3_S projection (its grid a constant third input): `decode` gets the int8 kernel,
+    taking the table as the fused kernel did; `batch_decode` keeps the float kernel (the grid
+    reaches the one-row kernel only). The kernel's numbers: `test_gemv_matches_numpy`."""
+    k, n, qtype = 512, 32, "iq3_s"
+    specs = {
+        "decode": {"x": nn.spec.Tensor([1, 1, k], "float32")},
+        "batch_decode": {"x": nn.spec.Tensor(["b", 1, k], "float32")},
+    }
+    mod, _ = _Projections(k, n, qtype).export_tvm(specs)
+    report = BuildReport()
+    with TARGET:
+        out = int8_decode_kernels(report)(mod)
+    int8 = [f for _, f in out.functions_items() if 'T.sblock("quantize")' in f.script()]
+    floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
+    assert len(int8) == 1 and len(floats) == 1
+    assert len(int8[0].params) == 4  # x, w, table, out
+    assert report.int8_decode_kernels == 1
 
 
 @pytest.mark.slow

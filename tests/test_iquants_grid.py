@@ -172,8 +172,9 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
     """A GGUF whose matrices are the seven lattice i-quants (random valid blocks, about the
     model's weights' size) compiles for this CPU with every tensor in its own type, and its
     logits are transformers' on the weights `gguf` decodes from those bytes, for the
-    prompts' prefill and a decode step (float activations: these types have no int8
-    kernels), to float32 rounding."""
+    prompts' prefill and a batched decode step (float activations), to float32 rounding;
+    and a lone sequence's decode step, whose IQ3_S matmuls take the int8-activation kernel
+    (`compiler/quant/grids/int8_groups.py`), within that rounding of the activations."""
     import torch
     import yaml
     from gguf_models import write_gguf
@@ -204,6 +205,8 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
         outs = [hf(torch.tensor([p]), use_cache=True) for p in PROMPTS]
     want = np.stack([o.logits[0, -1].numpy() for o in outs])
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    (library,) = manifest["libraries"]
+    assert library["details"]["int8_decode_kernels"] > 0  # the IQ3_S ones
     nxt = [int(w.argmax()) for w in want]
     got = runner.forward([(i, [t]) for i, t in enumerate(nxt)])
     with torch.no_grad():
@@ -214,3 +217,10 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
             ]
         )
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # one sequence alone: `decode`, the int8 kernel for the IQ3_S projections (activations
+    # rounded to 8 bits: the bound of tests/test_int8_decode.py's model test)
+    runner.add_sequence(99)
+    runner.forward([(99, PROMPTS[0])])
+    alone = runner.forward([(99, [nxt[0]])])[0]
+    assert not np.array_equal(alone, got[0])  # another kernel really ran
+    assert np.abs(alone - want[0]).max() <= 0.05 * np.abs(want[0]).max()

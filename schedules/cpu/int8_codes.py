@@ -53,10 +53,12 @@ def splat(v, lanes: int = LANES):
 
 
 class Row:
-    """Byte access to the blocks of row `n` of the weight buffer `w` (uint8 [N, row_bytes])."""
+    """Byte access to the blocks of row `n` of the weight buffer `w` (uint8 [N, row_bytes]);
+    `table`: the format's constant table (`QuantFormat.table`, the lattice grids), a uint8
+    buffer parameter of the kernel, or None."""
 
-    def __init__(self, w: tirx.Buffer, n: tirx.PrimExpr, base: tirx.PrimExpr):
-        self.w, self.n, self.base = w, n, base
+    def __init__(self, w: tirx.Buffer, n: tirx.PrimExpr, base: tirx.PrimExpr, table=None):
+        self.w, self.n, self.base, self.table = w, n, base, table
 
     def byte(self, off):
         """One byte at `off` in the block, as int32 (what the TIR decoders' helpers expect)."""
@@ -97,10 +99,18 @@ def codes_of(qtype: str) -> Int8Codes:
     return fmt.int8
 
 
-def group(w: tirx.Buffer, qtype: str, n, g) -> Group:
-    """Group `g` (weights g*32 .. g*32+31) of row `n` of `w`, a `qtype` weight."""
+def group(w: tirx.Buffer, qtype: str, n, g, table=None) -> Group:
+    """Group `g` (weights g*32 .. g*32+31) of row `n` of `w`, a `qtype` weight (`table`:
+    the format's table buffer, for the formats that have one)."""
     fmt = get_format(qtype)
     block_weights, block_bytes = fmt.block_size, fmt.type_size
     per_block = block_weights // LANES
     base = g // per_block * block_bytes if per_block > 1 else g * block_bytes
-    return codes_of(qtype).group(Row(w, n, base), g % per_block if per_block > 1 else 0)
+    return codes_of(qtype).group(Row(w, n, base, table), g % per_block if per_block > 1 else 0)
+
+
+def one_row_only(qtype: str) -> bool:
+    """Whether only `decode`'s one-row kernel (`int8_gemv`) takes `qtype`: a format with a
+    constant table (the lattice grids) reaches the kernel as an extra parameter, which only
+    that kernel declares; its batched, prefill, VNNI and MoE kernels keep float activations."""
+    return get_format(qtype).table is not None

@@ -32,7 +32,7 @@ from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import add, reduce_lanes
 from . import int8_vnni_row
-from .int8_codes import LANES, Row, codes_of, group
+from .int8_codes import LANES, Row, codes_of, group, one_row_only
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -79,10 +79,12 @@ def gemv_kernel(
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     if batch != 1:
+        if one_row_only(qtype):
+            raise ValueError(f"{qtype} has int8 kernels for one row only (int8_codes)")
         from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
-    if vnni and int8_vnni_row.applies(qtype, k):
+    if vnni and int8_vnni_row.applies(qtype, k) and not one_row_only(qtype):
         return int8_vnni_row.row_kernel(qtype, n_out, k)
     if codes_of(qtype).block_scales is not None:
         return _block_row_kernel(qtype, n_out, k)
@@ -101,13 +103,8 @@ def _row_kernel(qtype: str, n_out: int, k: int):
     unroll = max(get_format(qtype).block_size // LANES, chains)
     quantize = quantize_macro(groups, halves)
 
-    @T.prim_func(s_tir=True, private=True)
-    def gemv(
-        x: T.Buffer((1, 1, k), "float32"),
-        w: T.Buffer((n_out, rb), "uint8"),
-        out: T.Buffer((1, 1, n_out), "float32"),
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+    @T.macro
+    def row_dot(x, w, out, table):
         xq = T.sblock_alloc_buffer((1, k), "int8")
         xm = T.sblock_alloc_buffer((1, groups * MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((1,), "float32")
@@ -133,11 +130,11 @@ def _row_kernel(qtype: str, n_out: int, k: int):
                             g: T.let[T.int32] = gu * unroll + u
                             a: T.let[T.int32] = u % chains
                             # (TVMScript binds expressions only: one field per call)
-                            codes: T.let[code_type(qtype)] = group(w, qtype, n, g).codes
-                            s_lo: T.let[T.float32] = group(w, qtype, n, g).scale_lo
-                            s_hi: T.let[T.float32] = group(w, qtype, n, g).scale_hi
-                            o_lo: T.let[T.float32] = group(w, qtype, n, g).offset_lo
-                            o_hi: T.let[T.float32] = group(w, qtype, n, g).offset_hi
+                            codes: T.let[code_type(qtype)] = group(w, qtype, n, g, table).codes
+                            s_lo: T.let[T.float32] = group(w, qtype, n, g, table).scale_lo
+                            s_hi: T.let[T.float32] = group(w, qtype, n, g, table).scale_hi
+                            o_lo: T.let[T.float32] = group(w, qtype, n, g, table).offset_lo
+                            o_hi: T.let[T.float32] = group(w, qtype, n, g, table).offset_hi
                             sums: T.let[T.int32x8] = dot(
                                 codes,
                                 xq.vload([0, g * LANES], "int8x32"),
@@ -155,6 +152,36 @@ def _row_kernel(qtype: str, n_out: int, k: int):
                         )
                     else:
                         out[0, 0, n] = xr[0] * sum_lanes(acc, 0) + off[0]
+
+    if get_format(qtype).table is not None:
+        return _with_table(qtype, n_out, k, rb, row_dot)
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemv(
+        x: T.Buffer((1, 1, k), "float32"),
+        w: T.Buffer((n_out, rb), "uint8"),
+        out: T.Buffer((1, 1, n_out), "float32"),
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        row_dot(x, w, out, None)
+
+    return gemv
+
+
+def _with_table(qtype: str, n_out: int, k: int, rb: int, row_dot):
+    """The one-row kernel of a format with a constant table: the parameters of the fused
+    `quant_matmul` it replaces, (x, w, table, out) (`model_defs.quant_ops`)."""
+    size = len(get_format(qtype).table())
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemv(
+        x: T.Buffer((1, 1, k), "float32"),
+        w: T.Buffer((n_out, rb), "uint8"),
+        table: T.Buffer((size,), "uint8"),
+        out: T.Buffer((1, 1, n_out), "float32"),
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        row_dot(x, w, out, table)
 
     return gemv
 

@@ -8,14 +8,15 @@ for numpy and TIR in `decoders` (run by `numpy_codec` and `tir_decode`), the gri
 the fused kernels as a constant uint8 parameter (`QuantFormat.table`; `tir_decode` says
 why that way).
 
-What runs: the CPU's float fused dequantize-matmul (no int8-activation groups: a code is a
-grid lookup per 8 weights, which the int8 tiles' vector code-unpacking does not express),
-dense layers, the embedding and the head; not the MoE grouped kernels nor the GPU
-schedules, which refuse these types when compiling. Measured (2048 x 2048 decode
-matmul, one row, float fused kernel, 1 thread, CPU time, weights in cache, 2-core Zen 3):
-iq1_s 1.76 ms, iq1_m 2.50, iq2_s 2.98, iq3_xxs 3.09, iq2_xxs 3.14, iq2_xs 3.28,
-iq3_s 3.46; on the same kernel q4_0 1.36, q4k 2.97, iq4_xs 5.31; the int8 kernels that
-q4_0 and mxfp4 take instead run it in 0.18 and 0.22 ms (`benchmarks/decode_matmul.py`).
+What runs: on the CPU, the float fused dequantize-matmul (prefill, batched decode, the
+embedding and the head when they are in these types) and, for `decode`'s one sequence, the
+int8-activation kernel (`int8_groups`: every type but iq1_m, whose grid shift changes every
+8 weights); not the MoE grouped kernels nor the GPU schedules, which refuse these types when
+compiling. Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EPYC
+Zen 3, `benchmarks/lattice_decode.py`), float -> int8 kernel: iq3_s 4.87 -> 0.67 ms,
+iq3_xxs 5.39 -> 0.89, iq2_s 1.28 -> 0.59, iq2_xs 1.53 -> 1.09, iq2_xxs 1.53 -> 0.85, iq1_s
+0.80 -> 0.71 (iq1_m 1.07, float); q4_0 0.66 -> 0.18, q4k 1.37 -> 0.17 in the same rounds.
+An IQ3_M file's decode went from 0.43x llama.cpp's to 1.17x (docs/benchmarks.md).
 
 No quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one
 line): llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance
@@ -31,12 +32,13 @@ from functools import partial
 from gguf import GGMLQuantizationType as GGML
 
 from .. import lowbit  # noqa: F401 - the older families first: they list before ours
-from ..format import Lazy, QuantFormat
+from ..format import Int8Codes, Lazy, QuantFormat
 from ..registry import register_format
 from . import numpy_codec as codec
 from .tables import grid_bytes
 
 _TIR = f"{__name__}.tir_decode"
+_INT8 = f"{__name__}.int8_groups"
 NEEDS_IMATRIX = (
     "llama.cpp's recipe for it needs an importance matrix (llama-quantize --imatrix), which "
     "tallow does not compute"
@@ -44,7 +46,7 @@ NEEDS_IMATRIX = (
 NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it (yet)"
 
 
-def _grid_format(name, ggml_type, type_size, no_quantizer) -> QuantFormat:
+def _grid_format(name, ggml_type, type_size, no_quantizer, int8=True, halves=False):
     return QuantFormat(
         gpu=False,
         name=name,
@@ -56,16 +58,18 @@ def _grid_format(name, ggml_type, type_size, no_quantizer) -> QuantFormat:
         tir_decode=Lazy(_TIR, name),
         table=partial(grid_bytes, name),
         no_quantizer=no_quantizer,
+        int8=Int8Codes(group=Lazy(_INT8, name), signed=True, split_halves=halves) if int8 else None,
     )
 
 
 for _fmt in (
     _grid_format("iq3_s", GGML.IQ3_S, 110, NOT_WRITTEN),
     _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
-    _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX),
-    _grid_format("iq2_xs", GGML.IQ2_XS, 74, NEEDS_IMATRIX),
+    _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX, halves=True),
+    _grid_format("iq2_xs", GGML.IQ2_XS, 74, NEEDS_IMATRIX, halves=True),
     _grid_format("iq2_xxs", GGML.IQ2_XXS, 66, NEEDS_IMATRIX),
     _grid_format("iq1_s", GGML.IQ1_S, 50, NEEDS_IMATRIX),
-    _grid_format("iq1_m", GGML.IQ1_M, 56, NEEDS_IMATRIX),
+    # a scale per 16 weights and the grid's shift per 8: no group form (float kernel)
+    _grid_format("iq1_m", GGML.IQ1_M, 56, NEEDS_IMATRIX, int8=False),
 ):
     register_format(_fmt)
