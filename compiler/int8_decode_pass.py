@@ -4,8 +4,8 @@ The model emits every quantized linear layer as one fused dequantize-matmul Prim
 with its weight format (`model_defs.quant_ops.QUANT_TYPE_ATTR`). In `decode` and
 `batch_decode` its input is `[batch, 1, K]`: one token per sequence. For those kernels this
 pass substitutes `schedules.cpu.int8_gemv`'s hand-written kernel, with the same parameters
-(x, w, out; x, w, table, out for a format with a constant table, whose int8 kernel serves
-`decode`'s one row only: `int8_codes.one_row_only`), before fusion: it is marked opaque, so
+(x, w, out; x, w, table, out for a format with a constant table, which takes the AVX2 row
+kernels only: `int8_codes.row_kernels_only`), before fusion: it is marked opaque, so
 fusion leaves it whole (an epilogue such as a bias add stays a separate, small kernel).
 Prefill kernels (a symbolic token axis) keep float activations and the tiled schedule.
 
@@ -38,7 +38,6 @@ def int8_kernel_for(func, vnni: bool = False):
     from tallow.compiler.quant import get_format
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
     from tallow.schedules.cpu import int8_gemv
-    from tallow.schedules.cpu.int8_codes import one_row_only
     from tallow.schedules.tir_common import static_extent
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs:
@@ -58,10 +57,7 @@ def int8_kernel_for(func, vnni: bool = False):
     k, n = static_extent(x.shape[2]), static_extent(w.shape[0])
     if k is None or n is None or k % int8_gemv.LANES or n % int8_gemv.N_CHUNK:
         return None
-    batch = static_extent(x.shape[0])
-    if batch != 1 and one_row_only(qtype):  # batch_decode keeps the float kernel
-        return None
-    return int8_gemv.gemv_kernel(qtype, n, k, batch, vnni=vnni)
+    return int8_gemv.gemv_kernel(qtype, n, k, static_extent(x.shape[0]), vnni=vnni)
 
 
 def substitute_kernels(mod, kernel_for) -> int:

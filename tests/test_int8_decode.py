@@ -24,13 +24,13 @@ from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.compiler.target import BuildReport, resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
-from tallow.schedules.cpu.int8_codes import one_row_only
+from tallow.schedules.cpu.int8_codes import row_kernels_only
 
-# the formats with int8-activation kernels (the TQ types have none: float kernels), and those
-# of them whose batched kernels take int8 activations too (not the lattice i-quants: their
-# grid table reaches `decode`'s one-row kernel only, `int8_codes.one_row_only`)
+# the formats with int8-activation kernels (the TQ types and iq1_m have none: float kernels),
+# and those that also take the column and VNNI tiles (not the lattice i-quants: their grid
+# table reaches the AVX2 row kernels only, `int8_codes.row_kernels_only`)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None]
-BATCHED_TYPES = [q for q in INT8_TYPES if not one_row_only(q)]
+TILED_TYPES = [q for q in INT8_TYPES if not row_kernels_only(q)]
 
 TARGET = resolve_target("cpu", "f32").tvm()
 HAS_VNNI = int8_vnni.supported(TARGET)
@@ -183,7 +183,7 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     _check(out.numpy(), x, deq)
 
 
-@pytest.mark.parametrize("qtype", BATCHED_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_batched_matches_numpy(qtype):
     """Every format, a symbolic batch (`batch_decode`, the tiled kernel of
     `cpu.int8_batched`), run at sizes that exercise whole 8-row tiles, 4-row tail tiles
@@ -206,11 +206,11 @@ def _batched_shape(qtype: str) -> tuple[int, int]:
 def _batched_kernel(qtype: str, vnni: bool = False):
     """`batch_decode`'s kernel (a symbolic batch) for `qtype` at `_batched_shape`."""
     k, n = _batched_shape(qtype)
-    return _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=vnni))
+    return _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=vnni), qtype)
 
 
 @pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
-@pytest.mark.parametrize("qtype", BATCHED_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
     """`--deterministic` (docs/cpu-kernels.md#deterministic-mode): row r of a batch of B, for
     B from 1 to 17, equals row r alone, bit for bit, through `batch_decode`'s kernel: the AVX2
@@ -232,7 +232,7 @@ def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", BATCHED_TYPES)
+@pytest.mark.parametrize("qtype", TILED_TYPES)
 def test_vnni_tiles_match_numpy(qtype):
     """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
     CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
@@ -260,11 +260,12 @@ def test_row_tiles_without_column_tiles(qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
-@pytest.mark.parametrize("qtype", BATCHED_TYPES)
+@pytest.mark.parametrize("qtype", [q for q in INT8_TYPES if QUANT_FORMATS[q].quantize_blocks])
 def test_batched_at_extreme_codes(qtype):
-    """Weight groups at their largest codes against full-scale activations of the same
-    signs: the sums reach the int16 and int32 bounds the kernels add within (every group's
-    multiplier is the largest, 32767). An overflow would show as a huge error. Both the row
+    """(The formats tallow writes: the extreme codes are quantized here.) Weight groups at
+    their largest codes against full-scale activations of the same signs: the sums reach
+    the int16 and int32 bounds the kernels add within (every group's multiplier is the
+    largest, 32767). An overflow would show as a huge error. Both the row
     tiles (5 sequences) and, where the format has them, the column tiles (16); on CPUs with
     AVX-512 VNNI its tiles too (q8_0's -128 and 127 are its flipped codes' ends)."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
@@ -353,14 +354,15 @@ def test_pass_replaces_decode_kernels_only():
     }
 
 
-def test_pass_gives_a_lattice_type_the_one_row_kernel_only():
-    """An IQ3_S projection (its grid a constant third input): `decode` gets the int8 kernel,
-    taking the table as the fused kernel did; `batch_decode` keeps the float kernel (the grid
-    reaches the one-row kernel only). The kernel's numbers: `test_gemv_matches_numpy`."""
+def test_pass_gives_a_lattice_type_the_row_kernels():
+    """An IQ3_S projection (its grid a constant third input): `decode` and `batch_decode` get
+    the int8 kernels, taking the table as the fused kernel did; prefill keeps the float one.
+    Their numbers: `test_gemv_matches_numpy`, `test_batched_matches_numpy`."""
     k, n, qtype = 512, 32, "iq3_s"
     specs = {
         "decode": {"x": nn.spec.Tensor([1, 1, k], "float32")},
         "batch_decode": {"x": nn.spec.Tensor(["b", 1, k], "float32")},
+        "prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")},
     }
     mod, _ = _Projections(k, n, qtype).export_tvm(specs)
     report = BuildReport()
@@ -368,9 +370,9 @@ def test_pass_gives_a_lattice_type_the_one_row_kernel_only():
         out = int8_decode_kernels(report)(mod)
     int8 = [f for _, f in out.functions_items() if 'T.sblock("quantize")' in f.script()]
     floats = [f for _, f in out.functions_items() if "dequantize" in f.script()]
-    assert len(int8) == 1 and len(floats) == 1
-    assert len(int8[0].params) == 4  # x, w, table, out
-    assert report.int8_decode_kernels == 1
+    assert len(int8) == 2 and len(floats) == 1
+    assert all(len(f.params) == 4 for f in int8)  # x, w, table, out
+    assert report.int8_decode_kernels == 2
 
 
 @pytest.mark.slow

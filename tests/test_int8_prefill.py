@@ -20,7 +20,7 @@ from tallow.schedules.cpu import int8_gemv, int8_prefill_columns
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
 # the formats with int8-activation kernels (the TQ types have none: float kernels) beyond
-# `decode`'s one row (not the lattice i-quants: int8_codes.one_row_only)
+# `decode`'s one row (not the lattice i-quants: int8_codes.row_kernels_only)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None and f.table is None]
 
 SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")

@@ -171,10 +171,10 @@ GRID_TYPES = {
 def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
     """A GGUF whose matrices are the seven lattice i-quants (random valid blocks, about the
     model's weights' size) compiles for this CPU with every tensor in its own type, and its
-    logits are transformers' on the weights `gguf` decodes from those bytes, for the
-    prompts' prefill and a batched decode step (float activations), to float32 rounding;
-    and a lone sequence's decode step, whose IQ3_S matmuls take the int8-activation kernel
-    (`compiler/quant/grids/int8_groups.py`), within that rounding of the activations."""
+    logits are transformers' on the weights `gguf` decodes from those bytes: the prompts'
+    prefill (float activations) to float32 rounding; a batched decode step and a lone
+    sequence's, whose matmuls in these types but iq1_m take the int8-activation kernels
+    (`compiler/quant/grids/int8_groups.py`), within the rounding of the activations."""
     import torch
     import yaml
     from gguf_models import write_gguf
@@ -216,11 +216,9 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
                 for t, o in zip(nxt, outs, strict=True)
             ]
         )
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    # one sequence alone: `decode`, the int8 kernel for the IQ3_S projections (activations
-    # rounded to 8 bits: the bound of tests/test_int8_decode.py's model test)
-    runner.add_sequence(99)
+    # activations rounded to 8 bits: the bound of tests/test_int8_decode.py's model test
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    runner.add_sequence(99)  # one sequence alone: `decode`'s one-row kernels
     runner.forward([(99, PROMPTS[0])])
     alone = runner.forward([(99, [nxt[0]])])[0]
-    assert not np.array_equal(alone, got[0])  # another kernel really ran
     assert np.abs(alone - want[0]).max() <= 0.05 * np.abs(want[0]).max()

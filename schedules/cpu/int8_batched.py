@@ -40,7 +40,7 @@ from tallow.compiler.quant.registry import get_format
 
 from . import int8_columns as columns
 from . import int8_vnni as vnni_columns
-from .int8_codes import LANES, codes_of, group
+from .int8_codes import LANES, codes_of, group, row_kernels_only
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -103,6 +103,8 @@ def batched_kernel(
     tail4 = _tail_macro(qtype, groups, TAIL_ROWS, count4, first4, n_out, rb, B)
     tail2 = _tail_macro(qtype, groups, 2, count2, first2, n_out, rb, B)
     tail1 = _tail_macro(qtype, groups, 1, left % 2, first2 + count2 * 2, n_out, rb, B)
+    if row_kernels_only(qtype):
+        column_tiles = False
     vnni = vnni and column_tiles
     use_columns = column_tiles and not vnni and codes_of(qtype).column_tiles
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
@@ -111,17 +113,17 @@ def batched_kernel(
     steps_shape = (padded, groups) if vnni else (1, 1)
 
     @T.macro
-    def row_tiles(w, xq, xm, xr, xs, out):
+    def row_tiles(w, xq, xm, xr, xs, out, table):
         for nc in T.parallel(n_out // N_CHUNK):
             for rt in range(full):
                 for ni in range(N_CHUNK):
                     with T.sblock("dot"):
                         T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
                         T.writes(out[:, 0, nc * N_CHUNK + ni])
-                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B)
-            tail4(nc, w, xq, xm, xr, xs, out)
-            tail2(nc, w, xq, xm, xr, xs, out)
-            tail1(nc, w, xq, xm, xr, xs, out)
+                        tile(w, nc * N_CHUNK + ni, rt * TILE_ROWS, xq, xm, xr, xs, out, B, table)
+            tail4(nc, w, xq, xm, xr, xs, out, table)
+            tail2(nc, w, xq, xm, xr, xs, out, table)
+            tail1(nc, w, xq, xm, xr, xs, out, table)
 
     @T.macro
     def column_tiles(w, xq, xm, xr, xs, out):
@@ -164,11 +166,8 @@ def batched_kernel(
                             r, 0, T.Ramp(0, 1, VNNI_COLS)
                         ]
 
-    @T.prim_func(s_tir=True, private=True)
-    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
-        x = T.match_buffer(x_handle, (B, T.int64(1), k), "float32")
-        out = T.match_buffer(out_handle, (B, T.int64(1), n_out), "float32")
+    @T.macro
+    def body(x, w, out, table):
         xq = T.sblock_alloc_buffer((padded, k), "int8")
         xm = T.sblock_alloc_buffer((padded, groups * MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((padded,), "float32")
@@ -206,7 +205,38 @@ def batched_kernel(
         elif use_columns:
             column_tiles(w, xq, xm, xr, xs, out)
         else:
-            row_tiles(w, xq, xm, xr, xs, out)
+            row_tiles(w, xq, xm, xr, xs, out, table)
+
+    if get_format(qtype).table is not None:
+        return _with_table(qtype, n_out, k, rb, B, body)
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(x_handle, (B, T.int64(1), k), "float32")
+        out = T.match_buffer(out_handle, (B, T.int64(1), n_out), "float32")
+        body(x, w, out, None)
+
+    return gemm
+
+
+def _with_table(qtype: str, n_out: int, k: int, rb: int, B, body):
+    """The batched kernel of a format with a constant table (the lattice i-quants): the
+    parameters of the fused `quant_matmul` it replaces, (x, w, table, out); row tiles only
+    (`int8_codes.row_kernels_only`)."""
+    size = len(get_format(qtype).table())
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemm(
+        x_handle: T.handle,
+        w: T.Buffer((n_out, rb), "uint8"),
+        table: T.Buffer((size,), "uint8"),
+        out_handle: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        x = T.match_buffer(x_handle, (B, T.int64(1), k), "float32")
+        out = T.match_buffer(out_handle, (B, T.int64(1), n_out), "float32")
+        body(x, w, out, table)
 
     return gemm
 
@@ -217,13 +247,13 @@ def _tail_macro(qtype: str, groups: int, rows: int, count, first, n_out: int, rb
     tile = _tile_macro(qtype, groups, rows)
 
     @T.macro
-    def tail(nc, w, xq, xm, xr, xs, out):
+    def tail(nc, w, xq, xm, xr, xs, out, table):
         for rt in range(count):
             for ni in range(N_CHUNK):
                 with T.sblock("dot_tail"):
                     T.reads(w[nc * N_CHUNK + ni, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :])
                     T.writes(out[:, 0, nc * N_CHUNK + ni])
-                    tile(w, nc * N_CHUNK + ni, first + rt * rows, xq, xm, xr, xs, out, B)
+                    tile(w, nc * N_CHUNK + ni, first + rt * rows, xq, xm, xr, xs, out, B, table)
 
     return tail
 
@@ -234,7 +264,7 @@ def _tile_macro(qtype: str, groups: int, rows: int):
     halves = offset_halves(qtype)
 
     @T.macro
-    def tile(w, n, r0, xq, xm, xr, xs, out, B):
+    def tile(w, n, r0, xq, xm, xr, xs, out, B, table):
         # stack arrays LLVM keeps in registers (not "local": a workspace allocation per
         # column chunk; see int8_ops.quantize_macro)
         acc = T.sblock_alloc_buffer((rows * 8,), "float32")
@@ -243,11 +273,11 @@ def _tile_macro(qtype: str, groups: int, rows: int):
             acc[T.Ramp(i * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
         off[_lanes(0, rows)] = _splat(T.float32(0), rows)
         for g in range(groups):
-            codes: T.let[code_type(qtype)] = group(w, qtype, n, g).codes
-            s_lo: T.let[T.float32] = group(w, qtype, n, g).scale_lo
-            s_hi: T.let[T.float32] = group(w, qtype, n, g).scale_hi
-            o_lo: T.let[T.float32] = group(w, qtype, n, g).offset_lo
-            o_hi: T.let[T.float32] = group(w, qtype, n, g).offset_hi
+            codes: T.let[code_type(qtype)] = group(w, qtype, n, g, table).codes
+            s_lo: T.let[T.float32] = group(w, qtype, n, g, table).scale_lo
+            s_hi: T.let[T.float32] = group(w, qtype, n, g, table).scale_hi
+            o_lo: T.let[T.float32] = group(w, qtype, n, g, table).offset_lo
+            o_hi: T.let[T.float32] = group(w, qtype, n, g, table).offset_hi
             ws: T.let[T.float32x8] = lane_scales(s_lo, s_hi)
             for i in T.unroll(rows):
                 sums: T.let[T.int32x8] = dot(

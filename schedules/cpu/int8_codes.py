@@ -109,8 +109,10 @@ def group(w: tirx.Buffer, qtype: str, n, g, table=None) -> Group:
     return codes_of(qtype).group(Row(w, n, base, table), g % per_block if per_block > 1 else 0)
 
 
-def one_row_only(qtype: str) -> bool:
-    """Whether only `decode`'s one-row kernel (`int8_gemv`) takes `qtype`: a format with a
-    constant table (the lattice grids) reaches the kernel as an extra parameter, which only
-    that kernel declares; its batched, prefill, VNNI and MoE kernels keep float activations."""
+def row_kernels_only(qtype: str) -> bool:
+    """Whether only the AVX2 row kernels take `qtype`: `decode`'s one-row kernel
+    (`int8_gemv`) and `batch_decode`'s row tiles (`int8_batched`). A format with a constant
+    table (the lattice grids) reaches them as an extra parameter, which only they declare;
+    prefill and the MoE kernels keep float activations for it, and `batch_decode` takes the
+    row tiles on CPUs with AVX-512 VNNI too."""
     return get_format(qtype).table is not None

@@ -32,7 +32,7 @@ from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import add, reduce_lanes
 from . import int8_vnni_row
-from .int8_codes import LANES, Row, codes_of, group, one_row_only
+from .int8_codes import LANES, Row, codes_of, group, row_kernels_only
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -79,12 +79,10 @@ def gemv_kernel(
     if k % LANES or n_out % N_CHUNK:
         raise ValueError(f"int8 gemv needs k % {LANES} == 0 and n % {N_CHUNK} == 0")
     if batch != 1:
-        if one_row_only(qtype):
-            raise ValueError(f"{qtype} has int8 kernels for one row only (int8_codes)")
         from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
-    if vnni and int8_vnni_row.applies(qtype, k) and not one_row_only(qtype):
+    if vnni and int8_vnni_row.applies(qtype, k) and not row_kernels_only(qtype):
         return int8_vnni_row.row_kernel(qtype, n_out, k)
     if codes_of(qtype).block_scales is not None:
         return _block_row_kernel(qtype, n_out, k)

@@ -1,5 +1,5 @@
 """The lattice i-quants as 32-weight int8-kernel groups (`schedules.cpu.int8_codes.Group`),
-for `decode`'s one-row kernel (`schedules.cpu.int8_gemv`; `int8_codes.one_row_only`).
+for the AVX2 row kernels of `decode` and `batch_decode` (`int8_codes.row_kernels_only`).
 
 A group's codes are its grid values with their signs, as int8 (`signed`, as the other
 i-quants'): the kernel multiplies them with q8_0's sign trick. Each entry's grid values are
