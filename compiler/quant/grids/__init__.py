@@ -11,9 +11,10 @@ why that way).
 What runs: on the CPU, the int8-activation kernels of `decode` and `batch_decode` (the AVX2
 row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights)
 and the float fused dequantize-matmul elsewhere (prefill, the embedding); not the MoE
-grouped kernels nor the GPU schedules, which refuse these types when compiling. Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EPYC
-Zen 3, `benchmarks/lattice_decode.py`), float -> int8 kernel: iq3_s 4.87 -> 0.67 ms,
-iq3_xxs 5.39 -> 0.89, iq2_s 1.28 -> 0.59, iq2_xs 1.53 -> 1.09, iq2_xxs 1.53 -> 0.85, iq1_s
+grouped kernels nor the GPU schedules, which refuse these types when compiling.
+Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EPYC Zen 3,
+`benchmarks/lattice_decode.py`), float -> int8 kernel: iq3_s 4.87 -> 0.67 ms, iq3_xxs
+5.39 -> 0.89, iq2_s 1.28 -> 0.59, iq2_xs 1.53 -> 1.09, iq2_xxs 1.53 -> 0.85, iq1_s
 0.80 -> 0.71 (iq1_m 1.07, float); q4_0 0.66 -> 0.18, q4k 1.37 -> 0.17 in the same rounds.
 An IQ3_M file's decode went from 0.43x llama.cpp's to 1.17x (docs/benchmarks.md); its
 `batch_decode` step for 4 sequences from 31-32 ms to 16.3-16.6 ms (2 threads, shared).
