@@ -12,14 +12,16 @@ kernel the CUDA build runs, not only those a case was written for.
   (`relax_pipeline.fusion_passes` in the backend's pass context), then scheduled by its
   schedule pass: the PrimFuncs a CUDA build runs, by name.
 * The oracle: the same fused module, unscheduled, built for `llvm` by TVM's default CPU
-  lowering and run by the Relax VM (`embed` + `prefill`, then `embed` + `decode`); the VM's
-  instrument hook copies every kernel call's arguments before and after the call. The paged
-  KV cache's own kernels (attention, append, merge) are called by the cache's C++ runtime,
-  not by the VM: they are swapped for those the same cache builds for `llvm` (so the VM runs
-  on the CPU), their inputs are never seen, and `not_replayed` lists them with that reason.
+  lowering and run by the Relax VM (`STEPS`: a 17-token prefill, a second 5-token chunk,
+  one decode step); the VM's instrument hook copies every kernel call's arguments before
+  and after the call. The paged KV cache's own kernels (attention, append, merge, its
+  RoPE) are called by the cache's C++ runtime, not by the VM: the cache is the one the
+  same model builds for `llvm` (its CPU kernels), handed recording wrappers in place of
+  its kernels (`_through_recorders`), so those calls are captured too and replayed on the
+  CUDA build's kernels of the same position in the cache's argument list.
 * The replay: each call's captured arguments (output buffers as they were before the call)
   given to the GPU-scheduled kernel on wgpu (`wgpu_runner.WGPUKernels`); every buffer after
-  the run compared with the CPU's after its call (`compare`).
+  the run compared with the CPU's after its call (`error_units`, `TOLERANCE`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,20 @@ import numpy as np
 from opencl_runner import F16_TINY, F16_ULP
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 31, 2, 77, 19, 200, 45]  # 17: two pages
-NEXT_TOKEN = 123
+# (step, function, tokens): the prompt; a second chunk of it, which attends to the cached
+# pages too (paged prefill, ragged prefill, and the merge of the two); one decode step
+STEPS = (
+    ("prefill", "prefill", PROMPT),
+    ("prefill chunk 2", "prefill", [33, 150, 9, 4, 61]),
+    ("decode", "decode", [123]),
+)
 FUNCTIONS = ("embed", "prefill", "decode", "create_paged_kv_cache")
 # the paged cache's kernels are checked against numpy in f32 on PoCL and Oclgrind instead
 # (opencl_paged_kv.py)
-CACHE_REASON = "paged KV cache kernel: called by the cache's C++ runtime, not the VM (no capture)"
+CACHE_REASON = (
+    "a paged KV cache kernel one sequence's prefill and decode do not call (sliding window, "
+    "tree attention, page copies, MLA, debug)"
+)
 VIEW_REASON = "not called by embed/prefill/decode (a reshape the VM runs as a view)"
 
 
@@ -43,7 +54,7 @@ VIEW_REASON = "not called by embed/prefill/decode (a reshape the VM runs as a vi
 class Call:
     """One kernel call of the CPU run: its arguments before and after the call."""
 
-    step: str  # "prefill" or "decode"
+    step: str  # a label of `STEPS`
     kernel: str
     before: list  # np.ndarray, or a Python int/float, per PrimFunc parameter
     after: list
@@ -57,6 +68,45 @@ class Model:
     cache_kernels: list[str]  # the paged KV cache's kernels in the CUDA build
     params: list  # weights (np.ndarray) in parameter order
     report: dict  # the CUDA backend's schedule report (rule per kernel)
+    cache_map: dict  # the cache's kernels: CUDA build's name -> the llvm cache's name
+
+
+RECORDER = "tallow.kernel_replay."  # + a cache kernel's CUDA name: its recording wrapper
+
+
+def _cache_args(func) -> list:
+    """The kernels (GlobalVars) among the arguments of `create_paged_kv_cache`'s call to
+    `vm.builtin.paged_attention_kv_cache_create`, in argument order."""
+    from tvm import relax
+
+    (binding,) = [b for block in func.body.blocks for b in block.bindings]
+    found = []
+    for arg in binding.value.args:
+        items = arg.fields if isinstance(arg, relax.Tuple) else [arg]
+        found += [x for x in items if isinstance(x, relax.GlobalVar)]
+    return found
+
+
+def _through_recorders(cpu_mod, gpu_mod):
+    """The llvm cache's `create_paged_kv_cache` handing the cache a recording wrapper
+    (`RECORDER` + the CUDA kernel's name, registered by `capture`) in place of each kernel,
+    so the calls the cache's C++ runtime makes are seen too; and CUDA name -> llvm name.
+    The two caches take the same arguments in the same order (the kernels differ)."""
+    from tvm import relax
+
+    cpu_func = cpu_mod["create_paged_kv_cache"]
+    pairs = list(
+        zip(_cache_args(gpu_mod["create_paged_kv_cache"]), _cache_args(cpu_func), strict=True)
+    )
+    by_cpu = {c.name_hint: g.name_hint for g, c in pairs}
+
+    @relax.expr_functor.mutator
+    class Swap(relax.PyExprMutator):
+        def visit_global_var_(self, op):
+            name = by_cpu.get(op.name_hint)
+            return relax.ExternFunc(RECORDER + name) if name else op
+
+    return Swap().visit_expr(cpu_func), {g: c for c, g in by_cpu.items()}
 
 
 def prim_names(mod) -> list[str]:
@@ -124,6 +174,8 @@ def build(model_dir, quant: str = "q4k", sm: int = 80) -> Model:
     cpu_cache = _cache_kernels(cpu_cache_mod) | {"create_paged_kv_cache"}
     funcs = {gv: f for gv, f in fused.functions_items() if gv.name_hint not in gpu_cache}
     funcs.update({gv: f for gv, f in cpu_cache_mod.functions_items() if gv.name_hint in cpu_cache})
+    create, cache_map = _through_recorders(cpu_cache_mod, fused)
+    funcs[cpu_cache_mod.get_global_var("create_paged_kv_cache")] = create
     with llvm:
         cpu_mod = tvm.transform.Sequential(vm_lowering_passes())(tvm.IRModule(funcs))
         cpu = tvm.compile(cpu_mod, llvm, relax_pipeline=None)
@@ -134,6 +186,7 @@ def build(model_dir, quant: str = "q4k", sm: int = 80) -> Model:
         sorted(gpu_cache - {"create_paged_kv_cache"}),
         weights,
         spec.report.schedules,
+        cache_map,
     )
 
 
@@ -146,19 +199,33 @@ def _host(value):
     return value
 
 
+def _recorder(name: str, kernel, calls: list, step: list):
+    def record(*args):
+        before = [_host(a) for a in args]
+        kernel(*args)
+        calls.append(Call(step[0], name, before, [_host(a) for a in args]))
+
+    return record
+
+
 def capture(model: Model) -> list[Call]:
-    """Run `embed` + `prefill` on PROMPT, then `embed` + `decode` on NEXT_TOKEN, on the CPU;
-    every call of one of the module's kernels, with its arguments before and after."""
+    """Run `embed` + each step's function (`STEPS`) on the CPU; every call of one of the
+    module's kernels (the VM's, and the paged cache's through `_through_recorders`), with
+    its arguments before and after."""
     import tvm
     from tvm import relax
 
     kernels = set(prim_names(model.fused)) - set(model.cache_kernels)
-    dev = tvm.cpu()
-    vm = relax.VirtualMachine(model.cpu, dev)
-    params = [tvm.runtime.tensor(w, dev) for w in model.params]
     calls: list[Call] = []
     pending: list = []
     step = ["prefill"]
+    for gpu_name, cpu_name in model.cache_map.items():
+        kernel = model.cpu.mod.get_function(cpu_name, True)
+        record = _recorder(gpu_name, kernel, calls, step)
+        tvm.register_global_func(RECORDER + gpu_name, record, override=True)
+    dev = tvm.cpu()
+    vm = relax.VirtualMachine(model.cpu, dev)
+    params = [tvm.runtime.tensor(w, dev) for w in model.params]
 
     def instrument(func, name, before_run, ret_value, *args):
         if name in kernels:
@@ -175,8 +242,8 @@ def capture(model: Model) -> list[Call]:
     )
     get = tvm.get_global_func
     get("vm.builtin.kv_state_add_sequence")(cache, 0)
-    for name, tokens in (("prefill", PROMPT), ("decode", [NEXT_TOKEN])):
-        step[0] = name
+    for label, name, tokens in STEPS:
+        step[0] = label
         ids = tvm.runtime.tensor(np.array(tokens, np.int32), dev)
         embeds = vm["embed"](ids, params)
         embeds = embeds._create_view((1, len(tokens), embeds.shape[-1]))
@@ -207,7 +274,7 @@ def _sizes(func, arrays: list) -> dict[str, int]:
     sizes = {}
     for p, value in zip(func.params, arrays, strict=True):
         if not _is_buffer(p):
-            sizes[p.name] = int(value)
+            sizes[p.name] = value  # an int, or a float (`sm_scale`)
             continue
         for dim, n in zip(p.ty.shape, value.shape, strict=True):
             if isinstance(dim, tvm.tirx.Var):
@@ -221,6 +288,8 @@ def replay(func, runner, name: str, call: Call) -> list:
     keys = _buffer_names(func)
     arrays = {k: np.array(v) for k, v in zip(keys, call.before, strict=True) if isinstance(k, str)}
     sizes = _sizes(func, call.before)
+    for kernel in runner.kernels[name]:  # the captured arrays are copies: no offsets
+        sizes |= {v.name: 0 for v in kernel.sizes if v.name.endswith("_elem_offset")}
     runner.run(name, {**_scratch(func, sizes), **arrays}, sizes)
     return [arrays[k] if isinstance(k, str) else v for k, v in zip(keys, call.before, strict=True)]
 
@@ -328,10 +397,8 @@ def replay_all(model: Model, calls: list[Call], runner_class, simt=None) -> list
         row = Row(name, rules.get(name, "?"), failures=[])
         rows.append(row)
         func = scheduled[name]
-        if name in model.cache_kernels:
-            row.why = CACHE_REASON
-        elif name not in by_kernel:
-            row.why = VIEW_REASON
+        if name not in by_kernel:
+            row.why = CACHE_REASON if name in model.cache_kernels else VIEW_REASON
         elif "wmma" in func.script():
             row.why = WMMA
             if simt is not None:

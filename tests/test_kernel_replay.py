@@ -86,16 +86,21 @@ def replayed(tiny_model_dir):
 @pytest.mark.slow
 @needs_wgpu
 def test_whole_model_kernel_replay(replayed):
-    """Every kernel the VM calls in embed + prefill (17 tokens) and embed + decode replays on
-    wgpu within f16 tolerance of the CPU's outputs (`kernel_replay.TOLERANCE`); the wmma
-    prefill matmuls, which WebGPU cannot run, replay in their SIMT schedule. The table of
-    every kernel (replayed with its error, or why not) is printed."""
+    """Every kernel called in a prefill (17 tokens, then a 5-token chunk over the cached
+    pages) and a decode step, the paged cache's included, replays on wgpu within f16
+    tolerance of the CPU's outputs (`kernel_replay.TOLERANCE`); the wmma prefill matmuls,
+    which WebGPU cannot run, replay in their SIMT schedule. The table of every kernel
+    (replayed with its error, or why not) is printed."""
     import kernel_replay as kr
 
     model, calls, rows = replayed
     print("\n" + kr.table(rows))
     called = {c.kernel for c in calls}
-    assert {c.step for c in calls} == {"prefill", "decode"}
+    assert {c.step for c in calls} == {step for step, _, _ in kr.STEPS}
+    # the attention kernels of all three kinds ran, and tallow's merge kernel
+    for name in ("batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv"):
+        assert name in called
+    assert "tir_attention_merge_state" in called
     by_name = {r.kernel: r for r in rows}
     for name in called:
         row = by_name[name]
