@@ -1,8 +1,8 @@
-"""Kernel replay of a whole model (`tests/kernel_replay.py`): every kernel of one prefill and
-one decode step of a tiny f16 q4k Qwen3, scheduled as a CUDA build schedules it, run on a
-Vulkan device through WebGPU (lavapipe) with the inputs a CPU run of the same kernels saw,
-and compared kernel by kernel with the CPU's outputs.
-docs/gpu-artifacts.md#kernel-replay-of-a-whole-model.
+"""Kernel replay of a whole model (`tests/kernel_replay.py`, `kernel_replay_check.py`):
+every kernel of a prefill (two chunks) and a decode step of a tiny f16 q4k Qwen3, the paged
+KV cache's included, scheduled as a CUDA build schedules it, run on a Vulkan device through
+WebGPU (lavapipe) with the inputs a CPU run of the same kernels saw, and compared kernel by
+kernel with the CPU's outputs. docs/gpu-artifacts.md#kernel-replay-of-a-whole-model.
 
 Also here, without a Vulkan device: the schedule bug the replay found (a decode
 projection's residual add left outside every kernel) stays fixed.
@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("tvm")
 
-from kernel_replay import CACHE_REASON, VIEW_REASON, WMMA, unbound_blocks  # noqa: E402
+from kernel_replay import STEPS  # noqa: E402
+from kernel_replay_check import CACHE_REASON, VIEW_REASON, WMMA, unbound_blocks  # noqa: E402
 from wgpu_runner import unavailable  # noqa: E402
 
 needs_wgpu = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -75,12 +76,13 @@ def test_unbound_blocks_sees_a_host_loop():
 
 @pytest.fixture(scope="module")
 def replayed(tiny_model_dir):
-    import kernel_replay as kr
+    import kernel_replay
+    import kernel_replay_check as check
     from wgpu_runner import WGPUKernels
 
-    model = kr.build(tiny_model_dir("qwen3_wide"))
-    calls = kr.capture(model)
-    return model, calls, kr.replay_all(model, calls, WGPUKernels, kr.simt_schedule(model))
+    model = kernel_replay.build(tiny_model_dir("qwen3_wide"))
+    calls = kernel_replay.capture(model)
+    return model, calls, check.replay_all(model, calls, WGPUKernels, check.simt_schedule(model))
 
 
 @pytest.mark.slow
@@ -91,12 +93,12 @@ def test_whole_model_kernel_replay(replayed):
     tolerance of the CPU's outputs (`kernel_replay.TOLERANCE`); the wmma prefill matmuls,
     which WebGPU cannot run, replay in their SIMT schedule. The table of every kernel
     (replayed with its error, or why not) is printed."""
-    import kernel_replay as kr
+    import kernel_replay_check as kr
 
     model, calls, rows = replayed
     print("\n" + kr.table(rows))
     called = {c.kernel for c in calls}
-    assert {c.step for c in calls} == {step for step, _, _ in kr.STEPS}
+    assert {c.step for c in calls} == {step for step, _, _ in STEPS}
     # the attention kernels of all three kinds ran, and tallow's merge kernel
     for name in ("batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv"):
         assert name in called
@@ -124,7 +126,7 @@ def test_replay_sees_a_wrong_kernel(replayed):
     other layer's weights) is reported as a mismatch."""
     import dataclasses
 
-    import kernel_replay as kr
+    import kernel_replay_check as kr
     from opencl_cases import prim_funcs
     from wgpu_runner import WGPUKernels
 
