@@ -239,7 +239,7 @@ class WGPUKernels:
                 continue  # an empty grid (no rows): nothing to launch
             if groups[2] != 1 or groups[0] >= 1 << 16:
                 raise ValueError(f"{k.name}: grid {groups} (blockIdx.z is WebGPU's own)")
-            pod = [sizes[v.name] for v in k.sizes] + [groups[0]]  # then packGridDimX
+            pod = [_pod_word(sizes[v.name], v) for v in k.sizes] + [groups[0]]  # packGridDimX
             words = np.zeros(-(-len(pod) // 4) * 4, np.int32)  # a uniform: 16-byte multiples
             words[: len(pod)] = pod
             uniform = self.device.create_buffer_with_data(
@@ -261,6 +261,14 @@ class WGPUKernels:
             data = self.device.queue.read_buffer(buffers[key])
             flat = np.frombuffer(data, value.dtype, count=value.size)
             value[...] = flat.reshape(value.shape)
+
+
+def _pod_word(value, var) -> int:
+    """One scalar of the uniform `PODArgs`: an integer as it is, a float32 parameter (the
+    attention kernels' `sm_scale`, `rope_theta`) as its bits."""
+    if str(var.ty.dtype).startswith("float"):
+        return int(np.array(value, np.float32).view(np.int32))
+    return int(value)
 
 
 def _refuse_wrong_lanes(name: str, device_mod, source: str, warp_size: int) -> None:

@@ -58,6 +58,8 @@ class QuantDecodeGEMV:
         if len(consumers) > 1:
             return None
         epilogue = consumers[0] if consumers else None
+        if epilogue is not None and not _fold_tail(sch, epilogue):
+            return None
 
         r = sch.fuse(*row_loops) if row_loops else None
         n_o, n_i = sch.split(n_loop, [None, ROWS_PER_BLOCK])
@@ -87,3 +89,21 @@ class QuantDecodeGEMV:
             sch.set_scope(mm, 0, "local")
             sch.reverse_compute_at(epilogue, rf_loops[1])
         return sch
+
+
+def _fold_tail(sch, epilogue) -> bool:
+    """Fold the blocks after `epilogue` into it (reverse-inlined), so the whole chain runs
+    in the kernel: a decode projection's epilogue is the f16 cast, often followed by the
+    residual add (`fused_quant_matmul_q4k6_add`) or the logits' f32 cast. Only `epilogue` is
+    moved under the thread bindings below; a block left after it stayed a loop outside any
+    kernel, which TVM's CUDA build turns into host code reading device memory (no error at
+    compile time; found by the whole-model kernel replay, tests/test_kernel_replay.py).
+    False (the rule declines) when a block cannot be folded."""
+    while consumers := sch.get_consumers(epilogue):
+        if len(consumers) > 1:
+            return False
+        try:
+            sch.reverse_compute_inline(consumers[0])
+        except Exception:  # noqa: BLE001 - TVM raises its own error type when it cannot
+            return False
+    return True
