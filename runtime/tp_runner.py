@@ -15,6 +15,7 @@ them whole; each worker is given its slice (`shard`) at load, as the manifest's 
 
 from __future__ import annotations
 
+import atexit
 import logging
 from pathlib import Path
 
@@ -68,6 +69,8 @@ class TPModelRunner(TVMModelRunner):
         cpu_collective.register()
         self.device = tvm.cpu(0)  # the controller's side of inputs and logits
         self.session = sess = self._disco.ThreadedSession(self.workers)
+        # Worker threads still running when the interpreter exits abort it (std::terminate).
+        atexit.register(self.close)
         library = choice.library
         self.vm = sess.load_vm_module(str(library_path(self.folder, library)), device=self.device)
         rules = self.manifest.tensor_parallel.shards
@@ -135,7 +138,17 @@ class TPModelRunner(TVMModelRunner):
         return np.split(rows, np.cumsum(lengths)[:-1])
 
     def close(self) -> None:
-        self.session.shutdown()
+        """Free the workers' objects, then stop the workers (idempotent)."""
+        session = self.__dict__.pop("session", None)
+        if session is None:
+            return
+        for name in ("params", "kv_cache", "vm", "_funcs", "_reshape", "_last_logits"):
+            self.__dict__.pop(name, None)
+        for name in ("_add_seq", "_fork_seq", "_remove_seq", "_popn", "_begin", "_end"):
+            self.__dict__.pop(name, None)
+        self.__dict__.pop("_free_pages", None)
+        session._sync_all()
+        session.shutdown()
 
 
 def runner_class(manifest: Manifest, workers: int | None = None) -> type[TVMModelRunner]:
