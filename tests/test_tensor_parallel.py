@@ -116,10 +116,25 @@ for make in (lambda: TPModelRunner(tp_path, workers=1), lambda: TVMModelRunner(t
         make()
     except Exception as e:
         refused.append(str(e))
+# the serving engine over each artifact: three prompts batched, greedy
+from tallow.runtime.engine_factory import EngineOptions, build_engine
+from tallow.runtime.sampling_params import SamplingParams
+prompts = [prompt, prompt[2:7], [40, 41, 42]]
+engine_tokens = {}
+for name, path in (("one", one_path), ("tp", tp_path)):
+    engine = build_engine(path, EngineOptions(kv_cache_mem_mb=8, prefix_cache=False))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, greedy)
+    engine_tokens[name] = [
+        [t for o in outs for d in o.outputs for t in d.token_ids] for outs in results
+    ]
+    if name == "tp":
+        engine.runner.close()
 diff = float(np.abs(out["one"][1] - out["tp"][1]).max())
 scale = float(np.abs(out["one"][1]).max())
+free = [one.num_free_pages(), tp.num_free_pages()]
 print(json.dumps({"one": out["one"][0], "tp": out["tp"][0], "diff": diff, "scale": scale,
-                  "refused": refused, "free": [one.num_free_pages(), tp.num_free_pages()]}))
+                  "refused": refused, "engine": engine_tokens, "free": free}))
 tp.close()
 """
 
@@ -165,6 +180,8 @@ def test_tp2_matches_tp1(tiny_model_dir, tmp_path, model, quant):
     tolerance = 1e-4 if quant is None else 3e-2
     assert got["diff"] <= tolerance * max(1.0, got["scale"]), got
     assert got["free"][0] == got["free"][1]
+    assert got["engine"]["tp"] == got["engine"]["one"]
+    assert [len(t) for t in got["engine"]["tp"]] == [6, 6, 6]
     # a mismatched worker count, and the one-worker runner, are refused in one line each
     assert len(got["refused"]) == 2
     assert all("compiled for 2 tensor-parallel worker(s)" in e for e in got["refused"])
