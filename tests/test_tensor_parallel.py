@@ -161,7 +161,17 @@ def _compile(src, out, degree: int, quant: str | None = None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "quant"), [("llama", None), ("qwen3_wide", None), ("qwen3_wide", "q8_0")]
+    ("model", "quant"),
+    [
+        ("llama", None),
+        ("qwen3_wide", None),
+        ("qwen3_wide", "q8_0"),
+        # the other families of the shared decoder: qkv bias, sandwich norms with windows and
+        # soft caps, Phi-3's fused checkpoint weights
+        ("qwen2", None),
+        ("gemma2", None),
+        ("phi3", None),
+    ],
 )
 def test_tp2_matches_tp1(tiny_model_dir, tmp_path, model, quant):
     src = tiny_model_dir(model)
