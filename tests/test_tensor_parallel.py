@@ -196,3 +196,11 @@ def test_tp2_matches_tp1(tiny_model_dir, tmp_path, model, quant):
     assert len(got["refused"]) == 2
     assert all("compiled for 2 tensor-parallel worker(s)" in e for e in got["refused"])
     assert all("\n" not in e for e in got["refused"])
+
+
+def test_compile_refuses_a_degree_that_is_no_power_of_two_before_tvm(tmp_path):
+    from tallow.compiler.pipeline import CompileOptions, compile_model
+    from tallow.runtime.errors import TallowError
+
+    with pytest.raises(TallowError, match="--tensor-parallel 3: must be a power of two"):
+        compile_model(CompileOptions(model=str(tmp_path), output=tmp_path, tensor_parallel=3))
