@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,7 @@ class TPModelRunner(TVMModelRunner):
         self.device = tvm.cpu(0)  # the controller's side of inputs and logits
         self.session = sess = self._disco.ThreadedSession(self.workers)
         # Worker threads still running when the interpreter exits abort it (std::terminate).
-        atexit.register(self.close)
+        atexit.register(_close_at_exit, weakref.ref(self))
         library = choice.library
         self.vm = sess.load_vm_module(str(library_path(self.folder, library)), device=self.device)
         rules = self.manifest.tensor_parallel.shards
@@ -149,6 +150,12 @@ class TPModelRunner(TVMModelRunner):
         self.__dict__.pop("_free_pages", None)
         session._sync_all()
         session.shutdown()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    runner = ref()
+    if runner is not None:
+        runner.close()
 
 
 def runner_class(manifest: Manifest, workers: int | None = None) -> type[TVMModelRunner]:
