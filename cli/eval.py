@@ -137,13 +137,16 @@ _ARTIFACT_HELP = "artifact folder written by `tallow compile`, or hf://org/repo[
 
 def _load(spec, args):
     from tallow.cli.hub import artifact_folder
-    from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+    from tallow.runtime.manifest import Manifest
+    from tallow.runtime.model_runner import KVCacheConfig
+    from tallow.runtime.tp_runner import runner_class
 
     folder = artifact_folder(spec, args.device)  # hf://: pulled and checked
 
     # One sequence at a time, one window long (a page more for rounding).
     kv = KVCacheConfig(max_batch_size=1, max_total_tokens=args.context + 64)
-    return TVMModelRunner(folder, device=args.device, kv=kv, threads=args.threads)
+    runner = runner_class(Manifest.read(Path(folder)))
+    return runner(folder, device=args.device, kv=kv, threads=args.threads)
 
 
 class _Progress:

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from tallow.cli.sampling_flags import sampling_defaults
 from tallow.cli.speculative_flags import speculative_config
 from tallow.runtime.detokenizer import IncrementalDetokenizer
 from tallow.runtime.errors import TallowError
 from tallow.runtime.generate import GenerationStats, generate_tokens
-from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
+from tallow.runtime.manifest import Manifest
+from tallow.runtime.model_runner import KVCacheConfig
 from tallow.runtime.sampling_params import SamplingParams, SamplingParamsError
 from tallow.runtime.served_model import ChatTemplateError, NoChatTemplateError, ServedModel
+from tallow.runtime.tp_runner import runner_class
 
 
 def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
@@ -68,7 +71,7 @@ def run_generate(args) -> int:
     if speculative is not None:
         return _generate_speculative(args, prompt, speculative)
     t_load = time.perf_counter()
-    runner = TVMModelRunner(
+    runner = runner_class(Manifest.read(Path(args.artifact)))(
         args.artifact,
         device=args.device,
         kv=KVCacheConfig(max_batch_size=1, max_total_tokens=0),

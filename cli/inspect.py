@@ -80,6 +80,12 @@ def summary(m: Manifest) -> str:
         f"tokenizer: {', '.join(m.tokenizer.files)}; chat template: "
         + (m.tokenizer.chat_template or "none"),
     ]
+    if m.tensor_parallel is not None:
+        tp = m.tensor_parallel
+        lines.append(
+            f"tensor parallel: {tp.degree} workers, {len(tp.shards)} tensors split at load "
+            "(docs/tensor-parallel.md)"
+        )
     if m.embedding is not None:
         e = m.embedding
         lines.append(f"embeddings: {e.dimensions} dimensions, {e.pooling} pooling")

@@ -135,6 +135,14 @@ def _add_compile(sub) -> None:
         help="tokens per KV cache page (16, the one size TVM 0.27's cache kernels take)",
     )
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split attention heads and the MLP across N workers (a power of two dividing the "
+        "KV heads); generate/serve start N Disco workers (docs/tensor-parallel.md)",
+    )
+    p.add_argument(
         "--quant",
         action=_QuantOption,
         help=(
@@ -260,6 +268,7 @@ def _run_compile(args) -> int:
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             page_size=args.page_size,
+            tensor_parallel=args.tensor_parallel,
             quant=args.quant,
             allow_requantize=args.allow_requantize,
             output=args.output,

@@ -56,6 +56,11 @@ def add_targets(folder: Path, options: AddTargetOptions) -> Path:
     folder = Path(folder)
     manifest = Manifest.read(folder)
     _check_versions(folder, manifest)
+    if manifest.tensor_parallel_degree > 1:
+        raise TallowError(
+            f"{folder} was compiled with --tensor-parallel {manifest.tensor_parallel_degree}: "
+            "adding a target to it is not supported yet; compile the model again with both"
+        )
     compile_options = _compile_options(folder, manifest, options)
     state = CompileState(options=compile_options, progress=Progress(quiet=options.quiet))
     state.targets = resolve_targets(compile_options)

@@ -12,6 +12,7 @@ import json
 from tallow.model_defs.config import ConfigError
 from tallow.model_defs.decoder import HIDDEN_FUNCTION, TASKS
 from tallow.model_defs.registry import UnknownArchitectureError, get_architecture
+from tallow.model_defs.tensor_parallel import check_degree, full_shapes, local_config
 from tallow.runtime.errors import ModelSourceError
 from tallow.runtime.integrity import record_checksums
 from tallow.runtime.manifest import (
@@ -21,6 +22,7 @@ from tallow.runtime.manifest import (
     KVCacheInfo,
     Manifest,
     ManifestModel,
+    TensorParallelInfo,
 )
 
 from . import tokenizer_files
@@ -47,7 +49,8 @@ def read_config(state: CompileState) -> str:
     task_suffix = "-embed" if opts.task == "embed" else ""
     suffix = artifact_suffix(state.targets)
     weights = weights_label(plan, opts.dtype)
-    name = opts.name or f"{state.source.name}-{weights}-{suffix}{task_suffix}"
+    tp_suffix = f"-tp{opts.tensor_parallel}" if opts.tensor_parallel > 1 else ""
+    name = opts.name or f"{state.source.name}-{weights}-{suffix}{task_suffix}{tp_suffix}"
     make_work_dir(state, name)
     return summary
 
@@ -125,6 +128,10 @@ def read_model(state: CompileState) -> str:
     )
     for spec in state.targets:
         spec.backend.check_formats(plan.module_types())
+    try:
+        check_degree(config, opts.tensor_parallel, plan.module_types())
+    except ConfigError as e:
+        raise ModelSourceError(f"{source.spec}: {e}") from e
     # fused weights whose parts keep different types become one parameter per run
     state.weight_map = plan.param_weight_map(state.weight_map)
     return (
@@ -137,7 +144,7 @@ def read_model(state: CompileState) -> str:
 def build_module(state: CompileState) -> str:
     dtype = DTYPES[state.options.dtype]
     state.module = state.architecture.build(
-        state.config,
+        local_config(state.config, state.options.tensor_parallel),
         dtype,
         state.target.tvm(),
         quant=state.quant_plan.module_types(),
@@ -163,9 +170,13 @@ def export_functions(state: CompileState) -> str:
             str(rows): name for rows, name in zip(buckets, static, strict=True)
         }
     state.ir_module, named_params = module.export_tvm(spec=spec)
-    state.params = [
+    local = [
         ParamSpec(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params
     ]
+    # The artifact stores whole weights; each tensor-parallel worker cuts its share at load.
+    state.params, state.shard_rules = full_shapes(
+        local, state.config, state.options.tensor_parallel
+    )
     # Check the checkpoint against the module now, before the expensive build.
     checkpoint = state.checkpoint
     check_weight_map(
@@ -288,9 +299,18 @@ def write_manifest(state: CompileState) -> str:
         weight_sets=state.other_param_infos,
         dtype_source=state.dtype_source,
         sampling_defaults=state.sampling_defaults,
+        tensor_parallel=_tensor_parallel_info(state),
     )
     manifest.write(state.work_dir)
     return f"{state.final_dir}"
+
+
+def _tensor_parallel_info(state: CompileState) -> TensorParallelInfo | None:
+    degree = state.options.tensor_parallel
+    if degree == 1:
+        return None
+    shards = {name: rule.to_dict() for name, rule in state.shard_rules.items()}
+    return TensorParallelInfo(degree=degree, shards=shards)
 
 
 def _window_info(cfg) -> dict:

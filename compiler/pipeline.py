@@ -58,6 +58,8 @@ class CompileOptions:
     # Row counts given a static-row `batch_decode_b<n>` each; None: the backend's own
     # (`static_decode_buckets`: CUDA's graph buckets, none on CPU). Tests set it (no CLI flag).
     decode_buckets: tuple[int, ...] | None = None
+    # --tensor-parallel: workers the layers are split across (model_defs/tensor_parallel.py)
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -88,6 +90,7 @@ class CompileState:
     libraries: list = field(default_factory=list)  # runtime.manifest.LibraryInfo, built so far
     weight_sets: dict = field(default_factory=dict)  # set name -> [ParamSpec]; "main" first
     other_param_infos: dict = field(default_factory=dict)  # set name -> [ParamInfo] (not main)
+    shard_rules: dict = field(default_factory=dict)  # param name -> tensor_parallel.ShardRule
 
 
 Phase = tuple[str, Callable[[CompileState], str]]
@@ -218,6 +221,9 @@ def check_options(options: CompileOptions) -> None:
         choose_kv_dtype(options.kv_dtype, "f32", backends=[])  # the name; targets come later
     if options.context_window is not None and options.context_window < 1:
         raise TallowError(f"--context-window must be at least 1 (got {options.context_window})")
+    tp = options.tensor_parallel
+    if tp < 1 or tp & (tp - 1):
+        raise TallowError(f"--tensor-parallel {tp}: must be a power of two (1, 2, 4, ...)")
     check_source(options.model, options.gguf_file)
 
 

@@ -133,6 +133,9 @@ class DecoderConfig:
     norm_topk_prob: bool = False
     moe_layers: list[int] = field(default_factory=list)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, sigmoid-gated
+    # Tensor-parallel degree the layers were sharded for (tensor_parallel.py): heads and MLP
+    # widths above are one worker's share, and the row-parallel projections all-reduce.
+    tensor_parallel: int = 1
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **overrides: Any) -> DecoderConfig:

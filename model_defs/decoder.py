@@ -77,6 +77,12 @@ class BiasedQuantLinear(QuantLinear):
         return y + self.bias if self.bias is not None else y
 
 
+def all_reduce(x: Tensor, degree: int) -> Tensor:
+    """The sum over the workers of a row-parallel projection's partial outputs (o_proj,
+    down_proj), each worker having multiplied its share of the inputs (tensor_parallel.py)."""
+    return x if degree == 1 else op.ccl_allreduce(x, "sum")
+
+
 def linear(name: str, in_f: int, out_f: int, bias: bool, dtype: str, quant: QuantTypes):
     qtype = quant.get(f"{name}.weight", "none")
     if qtype == "none":
@@ -99,6 +105,7 @@ class Attention(nn.Module):
             f"{prefix}.qkv_proj", hidden, [q_out, kv_out, kv_out], bias, dtype, quant, linear
         )
         self.o_proj = linear(f"{prefix}.o_proj", q_out, hidden, False, dtype, quant)
+        self.tensor_parallel = config.tensor_parallel
         if config.qk_norm:
             eps, offset = config.rms_norm_eps, config.norm_weight_offset
             self.q_norm = make_norm(self.head_dim, eps, offset, dtype)
@@ -134,7 +141,7 @@ class Attention(nn.Module):
                 k = op.reshape(self.rope(op.reshape(k, (b * s, hkv, d)), positions), (b, s, hkv, d))
             qkv = op.concat([q, k, v], dim=2)
         out = kv_cache.attention_with_fused_qkv(layer_id, qkv, hq, sm_scale=self.sm_scale)
-        return self.o_proj(op.reshape(out, (b, s, hq * d)))
+        return all_reduce(self.o_proj(op.reshape(out, (b, s, hq * d))), self.tensor_parallel)
 
 
 class MLP(nn.Module):
@@ -152,10 +159,11 @@ class MLP(nn.Module):
             f"{prefix}.gate_up_proj", hidden, [inter, inter], False, dtype, quant, linear
         )
         self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, False, dtype, quant)
+        self.tensor_parallel = config.tensor_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(activation(gate, self.act) * up)
+        return all_reduce(self.down_proj(activation(gate, self.act) * up), self.tensor_parallel)
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,7 @@ from .model_runner import KVCacheConfig, TVMModelRunner
 from .scheduler import SchedulerConfig
 from .speculation_costs import calibrated
 from .speculative import NgramProposer, SpeculationPolicy, SpeculativeConfig
+from .tp_runner import runner_class
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class EngineOptions:
     deterministic: bool = False
     # Speculative decoding (`speculative.py`); None: off.
     speculative: SpeculativeConfig | None = None
+    # Tensor-parallel workers; None: as many as the artifact was compiled for (the only
+    # count it runs with: another is refused).
+    tensor_parallel: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def build_engine(folder: str | Path, options: EngineOptions | None = None) -> En
     # Prefix-cache entries are live sequences in the KV cache too.
     page = manifest.kv_cache.page_size
     entries = options.prefix_cache_max_tokens // page if options.prefix_cache else 0
-    runner = TVMModelRunner(
+    runner = runner_class(manifest, options.tensor_parallel)(
         folder,
         device=choice,
         threads=options.threads,

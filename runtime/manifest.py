@@ -144,6 +144,17 @@ class EmbeddingInfo:
 
 
 @dataclass
+class TensorParallelInfo:
+    """An artifact compiled for `degree` workers (`tallow compile --tensor-parallel`): its
+    library is one worker's share of the layers; the weights are stored whole and `shards`
+    says how each split one is cut (name -> {axis, parts}: each part of `axis` split in
+    `degree` equal slices, worker i taking slice i of each; docs/tensor-parallel.md)."""
+
+    degree: int
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
 class Manifest:
     format_version: int
     tallow_version: str
@@ -172,6 +183,12 @@ class Manifest:
     # GGUF general.sampling keys, else tallow's fallback. Artifacts from before read as the
     # fallback: their source's file was not kept.
     sampling_defaults: SamplingDefaults = FALLBACK
+    # None: one worker (artifacts from before tensor parallelism too)
+    tensor_parallel: TensorParallelInfo | None = None
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        return self.tensor_parallel.degree if self.tensor_parallel else 1
 
     def params_for(self, library: LibraryInfo) -> list[ParamInfo]:
         """The parameters `library` takes, in its order."""
@@ -246,6 +263,11 @@ class Manifest:
                 },
                 dtype_source=raw.get("dtype_source", "--dtype"),
                 sampling_defaults=_sampling_defaults(path, raw.get("sampling_defaults")),
+                tensor_parallel=(
+                    TensorParallelInfo(**raw["tensor_parallel"])
+                    if raw.get("tensor_parallel")
+                    else None
+                ),
             )
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: manifest is missing or has a bad field ({e})") from e

@@ -107,23 +107,15 @@ class TVMModelRunner:
         self.device_kind = device_kind(choice.device)
         if self.device_kind.sets_cpu_threads:
             configure_cpu_threads(threads)  # before the first kernel runs
+        degree = self.manifest.tensor_parallel_degree
+        if degree != self.workers:
+            raise ArtifactError(
+                f"{self.folder} was compiled for {degree} tensor-parallel worker(s), not "
+                f"{self.workers}: run it with {degree} (docs/tensor-parallel.md)"
+            )
         tvm, tvm_vm = _load_tvm()
         self._tvm = tvm
-        self.device = open_device(tvm, self.device_kind, choice.index, library.target)
-        try:
-            # tvm_ffi's loader, not tvm.runtime.load_module: that one resolves symlinks and
-            # takes the format from the target's suffix, which a hub cache's blob lacks.
-            import tvm_ffi
-
-            lib = tvm_ffi.load_module(str(_library_path(self.folder, library)))
-        except Exception as e:  # TVM raises its own error types
-            raise ArtifactError(f"cannot load {library.file}: {e}") from e
-        self.vm = tvm_vm.VirtualMachine(lib, self.device)
-        weights = read_weights(self.folder, self.manifest, library)
-        if self.device_kind.huge_page_weights:
-            self.params = host_weights(tvm, weights, self.device)
-        else:
-            self.params = [tvm.runtime.tensor(a, self.device) for a in weights]
+        self._load_model(tvm, tvm_vm, choice)
         self.tokenizer: TokenizerBundle = load_tokenizer(self.folder, self.manifest)
 
         cfg = self.manifest.model.config
@@ -176,7 +168,7 @@ class TVMModelRunner:
         # (`forward`); set by the engine factory.
         self.batch_invariant = False
         self._controls = None  # device buffer for `sample`'s per-row controls
-        get = tvm.get_global_func
+        get = self._global_func
         self._add_seq = get("vm.builtin.kv_state_add_sequence")
         self._fork_seq = get("vm.builtin.kv_state_fork_sequence")
         self._remove_seq = get("vm.builtin.kv_state_remove_sequence")
@@ -208,6 +200,27 @@ class TVMModelRunner:
             kv.max_batch_size,
         )
 
+    workers = 1  # tensor-parallel workers this runner drives (tp_runner.py: several)
+
+    def _load_model(self, tvm, tvm_vm, choice: LibraryChoice) -> None:
+        """Open the device, load the library into a VM and the weights onto the device."""
+        library = choice.library
+        self.device = open_device(tvm, self.device_kind, choice.index, library.target)
+        try:
+            # tvm_ffi's loader, not tvm.runtime.load_module: that one resolves symlinks and
+            # takes the format from the target's suffix, which a hub cache's blob lacks.
+            import tvm_ffi
+
+            lib = tvm_ffi.load_module(str(_library_path(self.folder, library)))
+        except Exception as e:  # TVM raises its own error types
+            raise ArtifactError(f"cannot load {library.file}: {e}") from e
+        self.vm = tvm_vm.VirtualMachine(lib, self.device)
+        weights = read_weights(self.folder, self.manifest, library)
+        if self.device_kind.huge_page_weights:
+            self.params = host_weights(tvm, weights, self.device)
+        else:
+            self.params = [tvm.runtime.tensor(a, self.device) for a in weights]
+
     # --- the ModelRunner protocol -------------------------------------------------------
     def add_sequence(self, seq_id: int) -> None:
         self._add_seq(self.kv_cache, seq_id)
@@ -220,6 +233,9 @@ class TVMModelRunner:
 
     def popn(self, seq_id: int, n: int) -> None:
         self._popn(self.kv_cache, seq_id, n)
+
+    def _global_func(self, name: str):
+        return self._tvm.get_global_func(name)
 
     def num_free_pages(self) -> int:
         return int(self._free_pages(self.kv_cache)) - self._padding_slots

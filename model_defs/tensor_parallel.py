@@ -1,0 +1,120 @@
+"""How a dense decoder is split N ways for tensor parallelism (Megatron-style).
+
+Each worker holds 1/N of the attention heads (q and kv alike) and 1/N of the MLP width:
+q/k/v and gate/up are column-parallel (each worker computes its own heads / its own
+intermediate columns, no communication), o_proj and down_proj are row-parallel (each worker
+multiplies its share of the inputs; the partial outputs are summed by an all-reduce,
+`decoder.all_reduce`). Norms, the embedding and the vocab head are replicated: every worker
+computes the full logits, so there is no gather, and worker 0's are read.
+
+The compiler builds the module from `local_config` (one worker's shapes), writes the
+weights unsharded, and records a `ShardRule` per split parameter in the manifest; the runtime
+cuts each worker's share at load (`runtime/tp_runner.py`) without knowing the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import DecoderConfig
+from .config_fields import ConfigError
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """Cut `axis` of a parameter: each of `parts` (consecutive runs along the axis, e.g. the
+    q, k and v rows of a fused qkv) is split in N equal slices, worker i takes slice i of
+    every part, concatenated. A row-parallel weight is one part (its whole input axis)."""
+
+    axis: int
+    parts: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"axis": self.axis, "parts": list(self.parts)}
+
+
+def _qkv(c: DecoderConfig) -> list[int]:
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return [q, kv, kv]
+
+
+# (parameter-name pattern, axis, parts from the full config; None: the whole axis)
+_RULES: tuple[tuple[str, int, Callable[[DecoderConfig], list[int]] | None], ...] = (
+    (r"\.self_attn\.qkv_proj\.(weight|bias)$", 0, _qkv),
+    (r"\.self_attn\.o_proj\.weight$", 1, None),
+    (r"\.mlp\.gate_up_proj\.weight$", 0, lambda c: [c.intermediate_size] * 2),
+    (r"\.mlp\.down_proj\.weight$", 1, None),
+)
+_ROW_PARALLEL = {r"\.self_attn\.o_proj\.weight$": "o_proj", r"\.mlp\.down_proj\.weight$": "down"}
+
+
+def check_degree(config: DecoderConfig, n: int, quant: dict | None = None) -> None:
+    """Refuse, in one line, a degree this model cannot be split by."""
+    if n < 1 or n & (n - 1):
+        raise ConfigError(f"--tensor-parallel {n}: must be a power of two (1, 2, 4, ...)")
+    if n == 1:
+        return
+    if config.num_experts:
+        raise ConfigError(f"--tensor-parallel {n}: mixture-of-experts models are not split yet")
+    kv, inter = config.num_key_value_heads, config.intermediate_size
+    if kv % n:
+        raise ConfigError(f"--tensor-parallel {n}: does not divide the {kv} KV heads")
+    if inter % n:
+        raise ConfigError(f"--tensor-parallel {n}: does not divide intermediate_size {inter}")
+    for name, qtype in (quant or {}).items():
+        if not isinstance(qtype, str):
+            raise ConfigError(
+                f"--tensor-parallel {n}: {name} mixes block types across its parts; "
+                "compile with one --quant format for tensor parallelism"
+            )
+        if qtype == "none" or not any(re.search(p, name) for p in _ROW_PARALLEL):
+            continue
+        from tallow.compiler.quant.registry import get_format
+
+        block = get_format(qtype).block_size
+        cols = _qkv(config)[0] if "o_proj" in name else inter
+        if (cols // n) % block:
+            raise ConfigError(
+                f"--tensor-parallel {n}: {name} ({qtype}) would be cut inside a block "
+                f"({cols} inputs / {n} is not a multiple of {block})"
+            )
+
+
+def local_config(config: DecoderConfig, n: int) -> DecoderConfig:
+    """One worker's share of the layers: 1/n of the heads and of the MLP width."""
+    if n == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // n,
+        num_key_value_heads=config.num_key_value_heads // n,
+        intermediate_size=config.intermediate_size // n,
+        tensor_parallel=n,
+    )
+
+
+def shard_rule(name: str, full_shape: tuple[int, ...], config: DecoderConfig) -> ShardRule | None:
+    """The rule that cuts parameter `name` (None: replicated on every worker)."""
+    for pattern, axis, parts in _RULES:
+        if re.search(pattern, name):
+            return ShardRule(axis, tuple(parts(config) if parts else [full_shape[axis]]))
+    return None
+
+
+def full_shapes(params, config: DecoderConfig, n: int) -> tuple[list, dict[str, ShardRule]]:
+    """The unsharded `ParamSpec`s of one worker's `params`, and the rule of each split one."""
+    if n == 1:
+        return list(params), {}
+    out, rules = [], {}
+    for p in params:
+        if any(re.search(pattern, p.name) for pattern, _, _ in _RULES):
+            axis = next(a for pattern, a, _ in _RULES if re.search(pattern, p.name))
+            shape = list(p.shape)
+            shape[axis] *= n
+            p = dataclasses.replace(p, shape=tuple(shape))
+            rules[p.name] = shard_rule(p.name, p.shape, config)
+        out.append(p)
+    return out, rules
