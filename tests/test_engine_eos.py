@@ -66,6 +66,7 @@ class ScriptedArtifactRunner(FakeModelRunner):
 @pytest.fixture
 def scripted(monkeypatch):
     monkeypatch.setattr(engine_factory, "TVMModelRunner", ScriptedArtifactRunner)
+    monkeypatch.setattr(engine_factory, "runner_class", lambda *a, **kw: ScriptedArtifactRunner)
 
 
 def test_factory_passes_the_tokenizers_eos_ids(art):

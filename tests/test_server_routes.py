@@ -274,7 +274,10 @@ def test_generate_cli_encodes_prompts_like_the_server(server, bundle, monkeypatc
         seen.append(list(prompt_ids))
         return real(runner, prompt_ids, params, stats)
 
-    monkeypatch.setattr(cli_generate, "TVMModelRunner", lambda *a, **kw: fake_runner(bundle))
+    monkeypatch.setattr(
+        cli_generate, "runner_class", lambda *a, **kw: lambda *a2, **kw2: fake_runner(bundle)
+    )
+    monkeypatch.setattr(cli_generate.Manifest, "read", staticmethod(lambda *a, **kw: None))
     monkeypatch.setattr(cli_generate, "generate_tokens", spy)
     system, user = CHAT[0]["content"], CHAT[1]["content"]
     argv = ["generate", "unused", "--prompt", user, "--max-tokens", "3", "--ignore-eos"]
