@@ -57,13 +57,37 @@ def split_files(path: Path) -> list[Path]:
     return files
 
 
+# GGML types llama.cpp writes that the pinned `gguf` reader does not know (it stops at them)
+_NEWER_TYPES = {42: "Q2_0"}
+_UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")
+
+
 def _open_reader(path: Path):
     try:
         return _gguf().GGUFReader(path)
+    except ValueError as e:
+        m = _UNKNOWN_TYPE.search(str(e))
+        if m is None:
+            raise ModelSourceError(
+                f"{path}: not a readable GGUF file (truncated or corrupt: {e})"
+            ) from e
+        number = int(m[1])
+        raise ModelSourceError(
+            f"{path}: a tensor is stored as GGML type {number}"
+            f"{f' ({_NEWER_TYPES[number]})' if number in _NEWER_TYPES else ''}, which the "
+            f"gguf package {_gguf_version()} cannot read, so tallow cannot either; requantize "
+            f"the file to another type (llama.cpp's llama-quantize --allow-requantize)"
+        ) from e
     except Exception as e:  # the gguf reader raises ValueError/IndexError/struct errors
         raise ModelSourceError(
             f"{path}: not a readable GGUF file (truncated or corrupt: {e})"
         ) from e
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _field(reader, key: str):
@@ -108,8 +132,16 @@ class GGUFCheckpoint:
         return self._hf_row_order(name, np.asarray(t.data).view(np.uint8).reshape(rows, -1))
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor as float32: floats as stored, block types through tallow's own decoders
+        (bit-exact with `gguf`'s where it has one; it has none for some types, Q1_0)."""
+        from .quant import dequantize, format_for_ggml_type
+
         t = self._tensors[name]
-        arr = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        fmt = format_for_ggml_type(t.tensor_type)
+        if fmt is None:
+            arr = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        else:
+            arr = dequantize(np.asarray(t.data).view(np.uint8), fmt.name, self.shape(name))
         return self._hf_row_order(name, arr)
 
     def _hf_row_order(self, name: str, arr: np.ndarray) -> np.ndarray:

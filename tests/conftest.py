@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TVM_NUM_THREADS", "1")
 
+# gguf.quants.dequantize, the kernels' oracle, for the GGML types the package lacks (Q1_0)
+import ggml_extra_types  # noqa: E402, F401
+
 # Live servers shared by several test modules (module-scoped: one per module that asks).
 from hygiene_server import hygiene_bundle, hygiene_client, hygiene_server  # noqa: E402, F401
 from scripted_server import qwen, qwen_client  # noqa: E402, F401

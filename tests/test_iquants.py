@@ -142,18 +142,19 @@ def test_iq4_xs_falls_back_to_iq4_nl():
 
 
 def test_unread_types_are_refused_naming_the_ones_read(tmp_path):
-    """The GGUF check refuses a tensor of a block type tallow does not read (NVFP4) in one
-    message that lists the types it reads, every i-quant among them."""
+    """The GGUF check refuses a tensor of a block type tallow does not read (Q8_1, llama.cpp's
+    internal activation type) in one message that lists the types it reads, every i-quant
+    among them."""
     from tallow.compiler.gguf_source import check_gguf_file
     from tallow.runtime.errors import ModelSourceError
 
-    path = tmp_path / "nvfp4.gguf"
+    path = tmp_path / "q8_1.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.NVFP4][1]
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1][1]
     writer.add_tensor(
         "blk.0.attn_q.weight",
         np.zeros((2, size), np.uint8),
-        raw_dtype=gguf.GGMLQuantizationType.NVFP4,
+        raw_dtype=gguf.GGMLQuantizationType.Q8_1,
     )
     writer.add_tensor(
         "blk.0.attn_k.weight",
@@ -164,11 +165,12 @@ def test_unread_types_are_refused_naming_the_ones_read(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelSourceError, match="NVFP4") as err:
+    with pytest.raises(ModelSourceError, match="Q8_1") as err:
         check_gguf_file(path)
     supported = str(err.value).split("supported: ")[-1].split(", ")
     iquants = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL"}
-    assert iquants | {"IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "Q4_K", "Q8_0", "F16"} <= set(supported)
+    lowbit = {"TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "Q1_0"}
+    assert iquants | lowbit | {"IQ4_XS", "Q4_K", "Q8_0", "F16"} <= set(supported)
     assert "blk.0.attn_q.weight" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -1,4 +1,5 @@
-"""TQ1_0, TQ2_0 and MXFP4 (compiler/quant/lowbit): decoders, quantizers, a whole model.
+"""TQ1_0, TQ2_0 and MXFP4 (compiler/quant/lowbit): decoders, quantizers, a whole model (with
+Q1_0 and NVFP4 in it too; their codecs are checked in test_llamacpp_blocks.py).
 
 Oracles: `gguf.quants.dequantize` for every decoder (numpy and TIR) on arbitrary block bytes
 and on every value of every field; `gguf.quants.quantize` for the quantizers (the package
@@ -171,11 +172,13 @@ def test_gpu_compile_refuses_what_the_gpu_schedules_do_not_take(target, tiny_mod
 LOWBIT_TYPES = {
     "token_embd.weight": "tq2_0",
     "output.weight": "mxfp4",
-    **{f"blk.{i}.attn_q.weight": "tq1_0" for i in range(2)},
+    "blk.0.attn_q.weight": "tq1_0",
+    "blk.1.attn_q.weight": "q1_0",  # and NVFP4 (tests/test_llamacpp_blocks.py): their
+    "blk.1.ffn_gate.weight": "nvfp4",  # decoders are checked against llama.cpp's own
     **{f"blk.{i}.attn_k.weight": "mxfp4" for i in range(2)},
     **{f"blk.{i}.attn_v.weight": "tq2_0" for i in range(2)},
     **{f"blk.{i}.attn_output.weight": "mxfp4" for i in range(2)},
-    **{f"blk.{i}.ffn_gate.weight": "tq2_0" for i in range(2)},
+    "blk.0.ffn_gate.weight": "tq2_0",
     **{f"blk.{i}.ffn_up.weight": "tq1_0" for i in range(2)},
     **{f"blk.{i}.ffn_down.weight": "mxfp4" for i in range(2)},
 }

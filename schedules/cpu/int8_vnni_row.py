@@ -255,8 +255,8 @@ def _pair_dot_macro(qtype: str, groups: int, halves: int):
         total = None
         for j in range(2):
             grp = group(w, qtype, n, g + j)
-            if signed:  # code + 128: the shift times the scale
-                terms = [(grp.scale_lo * -128.0, 0)]
+            if signed:  # code + 128: the shift times each half's scale
+                terms = [(grp.scale_lo * -128.0, 0), (grp.scale_hi * -128.0, 1)][:halves]
             else:
                 terms = [(grp.offset_lo, 0), (grp.offset_hi, 1)][:halves]
             for o, h in terms:

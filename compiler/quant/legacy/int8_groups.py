@@ -20,7 +20,12 @@ def nibbles(row: Row, off: int):
 
 
 def fifth_bits(row: Row, off: int):
-    """Bit j of the 32-bit word at `off`, as 16 in byte j (0 otherwise).
+    """Bit j of the 32-bit word at `off`, as 16 in byte j (0 otherwise)."""
+    return word_bits(row, off) << u8(4)
+
+
+def word_bits(row: Row, off):
+    """Bit j of the 32-bit word at `off`, as 1 in byte j (0 otherwise).
 
     Byte j // 8 of the word is copied to lane j, masked with its lane's bit, and clamped to
     1: a byte shuffle, an and and a min, where per-lane variable shifts would be emulated.
@@ -30,7 +35,7 @@ def fifth_bits(row: Row, off: int):
     spread = tirx.Shuffle([repeated], [tirx.const(j // 8, "int32") for j in range(LANES)])
     lane_bit = tirx.Cast("uint8x32", tirx.Ramp(tirx.const(0, "int32"), 1, LANES) % 8)
     masks = u8(1) << lane_bit
-    return tirx.Min(spread & masks, u8(1)) << u8(4)
+    return tirx.Min(spread & masks, u8(1))
 
 
 def q8_0(row: Row, sub) -> Group:

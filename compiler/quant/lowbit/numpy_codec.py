@@ -137,3 +137,70 @@ def dequantize_mxfp4(b: np.ndarray) -> np.ndarray:
     q = np.concatenate([b[:, 1:] & 15, b[:, 1:] >> 4], axis=1)
     with np.errstate(over="ignore"):  # e near 255: 2**127 * 12 is inf, as in gguf
         return scale * _E2M1[q]
+
+
+# -------------------------------------------------------------------------------------- q1_0
+
+Q1_BLOCK = 128
+
+
+def quantize_q1_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference: the scale is the block's mean magnitude, the bit the sign
+    (set for x >= 0, -0.0 included)."""
+    x = x.astype(_F32)
+    d = (np.abs(x).astype(np.float64).sum(axis=1, keepdims=True) / Q1_BLOCK).astype(_F32)
+    bits = np.packbits(np.greater_equal(x, 0).astype(np.uint8), axis=1, bitorder="little")
+    return np.concatenate([_f16_bytes(d), bits], axis=1)
+
+
+def dequantize_q1_0(b: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(b[:, 2:18], axis=1, bitorder="little").astype(_F32)
+    return _f16_value(b[:, 0:2]) * (bits * _F32(2) - _F32(1))
+
+
+# ------------------------------------------------------------------------------------- nvfp4
+
+NVFP4_SUB = 16  # weights per UE4M3 scale; 4 sub-blocks a block
+E4M3_MAX = 448.0
+
+
+def ue4m3_half(s: np.ndarray) -> np.ndarray:
+    """An unsigned E4M3 scale byte (bias 7) halved, as float32: ggml pairs it with the
+    doubled E2M1 values. Bit 7 is ignored; 0x7F (E4M3's NaN) decodes to 0."""
+    s = s.astype(np.int32)
+    exp, man = (s >> 3) & 15, (s & 7).astype(_F32)
+    normal = np.ldexp(_F32(1) + man / _F32(8), exp - 8).astype(_F32)
+    value = np.where(exp == 0, man * _F32(2.0**-10), normal)
+    return np.where(s == 0x7F, _F32(0), value).astype(_F32)
+
+
+def ue4m3_bits(x: np.ndarray) -> np.ndarray:
+    """float32 >= 0 -> an unsigned E4M3 byte, as ggml encodes scales: the 3 mantissa bits
+    rounded on the next bit (half up), saturating at 448 (0x7E). Whether a value is
+    subnormal is decided before rounding (so just under 2**-6 takes the subnormal 7/512,
+    not the nearer 2**-6), as ggml does."""
+    x = np.clip(x.astype(_F32), 0, E4M3_MAX)
+    raw = x.view(np.uint32).astype(np.int64)
+    exp0 = ((raw >> 23) & 255) - 127 + 7
+    man = ((raw >> 20) & 7) + ((raw >> 19) & 1)
+    exp, man = np.where(man > 7, exp0 + 1, exp0), np.where(man > 7, 0, man)
+    normal = np.where(exp >= 15, 0x7E, (exp << 3) | man)
+    sub = np.clip(np.trunc(x * _F32(512) + _F32(0.5)), 0, 7).astype(np.int64)
+    return np.where(x <= 0, 0, np.where(exp0 <= 0, sub, normal)).astype(np.uint8)
+
+
+def quantize_nvfp4(x: np.ndarray) -> np.ndarray:
+    """Each 16-weight sub-block's scale puts its largest magnitude at E2M1's top (6); each
+    weight takes the nearest scaled E2M1 value (the first in table order on a tie)."""
+    sub = x.astype(_F32).reshape(x.shape[0], 4, NVFP4_SUB)
+    scales = ue4m3_bits(np.abs(sub).max(axis=2) / _F32(6))
+    step = ue4m3_half(scales)[:, :, None, None]
+    q = np.abs(sub[..., None] - step * _E2M1).argmin(axis=3).astype(np.uint8)
+    qs = q[..., :8] | (q[..., 8:] << 4)
+    return np.concatenate([scales, qs.reshape(x.shape[0], 32)], axis=1)
+
+
+def dequantize_nvfp4(b: np.ndarray) -> np.ndarray:
+    qs = b[:, 4:].reshape(-1, 4, 8)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2)
+    return (ue4m3_half(b[:, :4])[:, :, None] * _E2M1[q]).reshape(-1, 64)
