@@ -197,7 +197,11 @@ def build(force: bool = False) -> Path:
         partial = Path(tmp) / LIBRARY
         proc = subprocess.run(tools.command(SOURCE, partial), capture_output=True, text=True)
         if proc.returncode != 0:
-            raise NcclModuleError(f"compiling {SOURCE.name} failed:\n{proc.stderr.strip()[-4000:]}")
+            detail = proc.stderr.strip()[-4000:]
+            raise NcclModuleError(
+                f"compiling {SOURCE.name} with {tools.compiler} failed (exit {proc.returncode})"
+                + (f":\n{detail}" if detail else "")
+            )
         os.replace(partial, out)
     return out
 

@@ -137,6 +137,7 @@ def test_a_build_is_reused_and_a_failed_build_leaves_nothing(nccl_cache, monkeyp
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
     target = nccl_module.library_path(nccl_module.toolchain())
     assert target != lib  # the compiler is part of the key
-    with pytest.raises(nccl_module.NcclModuleError, match="compiling disco_nccl.cc failed"):
+    says = r"compiling disco_nccl.cc with false failed \(exit 1\)"
+    with pytest.raises(nccl_module.NcclModuleError, match=says):
         nccl_module.build()
     assert not target.exists() and list(target.parent.iterdir()) == []
