@@ -105,11 +105,15 @@ class TPModelRunner(TVMModelRunner):
         no GPU was available (docs/tensor-parallel.md)."""
         self._disco = disco(ccl="nccl")  # the controller runs init_ccl: it needs the module
         sess = start_workers(self._disco, self.workers)
-        sess.init_ccl("nccl", *range(self.workers))  # worker i on cuda:i
-        library = choice.library
-        path = str(library_path(self.folder, library))
-        self.vm = sess.load_vm_module(path)  # on each worker's default device, cuda:i
-        self.params = load_shards(sess, self.folder, library.file)
+        try:
+            sess.init_ccl("nccl", *range(self.workers))  # worker i on cuda:i
+            library = choice.library
+            path = str(library_path(self.folder, library))
+            self.vm = sess.load_vm_module(path)  # on each worker's default device, cuda:i
+            self.params = load_shards(sess, self.folder, library.file)
+        except BaseException:
+            sess.shutdown()  # live worker processes would outlast a failed load
+            raise
         return sess
 
     def _global_func(self, name: str):
