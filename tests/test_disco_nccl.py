@@ -141,3 +141,33 @@ def test_a_build_is_reused_and_a_failed_build_leaves_nothing(nccl_cache, monkeyp
     with pytest.raises(nccl_module.NcclModuleError, match=says):
         nccl_module.build()
     assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+def test_process_session_workers_load_the_module_and_init_without_a_gpu_is_an_exception(
+    nccl_cache,
+):
+    """The CUDA runner's session (`tp_runner.start_workers`): worker 1, a separate process
+    running tallow's entrypoint, has the module loaded; init_ccl is refused on the controller
+    in a Python exception, and the workers shut down cleanly."""
+    cache, _ = nccl_cache
+    proc = _run(
+        """
+        from tallow.runtime.disco_runtime import disco
+        d = disco(ccl="nccl")
+        from tallow.runtime.tp_runner import start_workers
+        sess = start_workers(d, 2)
+        version = sess.get_global_func("tallow.nccl.version")()
+        print("worker1", int(version.debug_get_from_remote(1)))
+        try:
+            sess.init_ccl("nccl", 0, 1)
+        except RuntimeError as e:
+            print("refused", str(e).splitlines()[0])
+        sess.shutdown()
+        """,
+        cache,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    major, minor, patch = (int(v) for v in importlib.metadata.version("nvidia-nccl-cu13").split("."))
+    assert int(lines["worker1"]) == major * 10000 + minor * 100 + patch
+    assert lines["refused"].startswith("NCCL tensor parallelism needs CUDA GPUs")
