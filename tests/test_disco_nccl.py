@@ -58,6 +58,12 @@ def _dynamic_symbols(path: str, defined: bool) -> set[str]:
     return {line.split()[-1].split("@")[0] for line in out.stdout.splitlines() if line.strip()}
 
 
+def _pip_nccl_code() -> int:
+    """NCCL's version code (major * 10000 + minor * 100 + patch) of the pip package."""
+    major, minor, patch = importlib.metadata.version("nvidia-nccl-cu13").split(".")[:3]
+    return int(major) * 10000 + int(minor) * 100 + int(patch)
+
+
 def test_every_nccl_and_cuda_symbol_resolves_against_the_pypi_libraries(nccl_cache):
     _, lib = nccl_cache
     needed = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
@@ -168,6 +174,5 @@ def test_process_session_workers_load_the_module_and_init_without_a_gpu_is_an_ex
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    major, minor, patch = (int(v) for v in importlib.metadata.version("nvidia-nccl-cu13").split("."))
-    assert int(lines["worker1"]) == major * 10000 + minor * 100 + patch
+    assert int(lines["worker1"]) == _pip_nccl_code()
     assert lines["refused"].startswith("NCCL tensor parallelism needs CUDA GPUs")
