@@ -229,6 +229,28 @@ def _add_verify(sub) -> None:
     p.add_argument("artifact", type=_artifact, help=_ARTIFACT_HELP)
 
 
+def _add_build_nccl(sub) -> None:
+    p = sub.add_parser(
+        "build-nccl",
+        help="build tallow's NCCL module, the collective CUDA tensor parallelism runs on",
+        description=(
+            "Compile runtime/native/disco_nccl.cc with the host C++ compiler against the TVM "
+            "wheel's headers and PyPI's NCCL and CUDA 13 runtime (pip install 'tallow[cuda]'), "
+            "into the cache ($TALLOW_CACHE_DIR, else ~/.cache/tallow). Needed once per install "
+            "before serving a CUDA artifact compiled with --tensor-parallel; no GPU is needed "
+            "to build it. Prints the library's path."
+        ),
+    )
+    p.add_argument("--force", action="store_true", help="rebuild even when it is built")
+
+
+def _run_build_nccl(args) -> int:
+    from tallow.runtime import nccl_module
+
+    print(nccl_module.build(force=args.force))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tallow",
@@ -242,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub, _artifact, _ARTIFACT_HELP)
     add_serve_parser(sub, _artifact, _ARTIFACT_HELP)
     _add_verify(sub)
+    _add_build_nccl(sub)
     from tallow.cli.hub import add_push
 
     add_push(sub)
@@ -355,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": run_serve,
         "verify": _run_verify,
         "push": _run_push,
+        "build-nccl": _run_build_nccl,
     }
     try:
         if args.command in ("generate", "serve"):

@@ -46,8 +46,13 @@ def preload() -> None:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
-def disco():
-    """`tvm.runtime.disco`, loading what it needs first; one clear line when it cannot."""
+def disco(ccl: str | None = None):
+    """`tvm.runtime.disco`, loading what it needs first; one clear line when it cannot.
+
+    `ccl="nccl"` also loads tallow's NCCL module (`nccl_module.py`), which registers the
+    `runtime.disco.nccl.*` functions `Session.init_ccl("nccl", ...)` and the workers call; when
+    it is not built the line says what to run. The CPU path needs no CCL (`cpu_collective.py`).
+    """
     tvm = sys.modules.get("tvm")
     if tvm is None:
         preload()
@@ -58,4 +63,10 @@ def disco():
             "TVM Disco is not loaded: tvm was imported before tallow could preload "
             "libtvm_runtime_extra.so; start tensor-parallel runs before anything imports tvm"
         )
+    if ccl is not None:
+        from . import nccl_module
+
+        if ccl != nccl_module.CCL:
+            raise DiscoUnavailableError(f"no collective library {ccl!r}: tallow builds only nccl")
+        nccl_module.load()
     return module

@@ -9,8 +9,11 @@ computes the full logits (the vocab head is replicated). Worker 0's logits come 
 controller, which samples on the host (the compiled sampler is not run).
 
 On a CPU the workers are threads (`ThreadedSession`) and the collectives are tallow's
-Python ones (`cpu_collective.py`, a correctness aid, not fast). Weights: the artifact stores
-them whole; each worker is given its slice (`shard`) at load, as the manifest's rules say.
+Python ones (`cpu_collective.py`, a correctness aid, not fast); the controller slices the
+weights (`shard`) and copies each worker its slices. With `--device cuda` the workers are
+processes, one GPU each (`ProcessSession` with tallow's entrypoint, `tp_worker.py`), the
+collective is tallow's NCCL module (`nccl_module.py`), and each worker reads its own slices
+from the artifact's files. The CUDA path has never run: no GPU was available to write it on.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cpu_collective
+from . import cpu_collective, tp_worker
 from .artifact import read_weights
 from .disco_runtime import disco
 from .errors import ArtifactError, TallowError
@@ -30,6 +33,7 @@ from .library_link import library_path
 from .library_select import LibraryChoice
 from .manifest import Manifest
 from .model_runner import TVMModelRunner
+from .tp_worker import LOAD_SHARD
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +66,23 @@ class TPModelRunner(TVMModelRunner):
         self.supports_device_sampling = False
 
     def _load_model(self, tvm, tvm_vm, choice: LibraryChoice) -> None:
-        if self.device_kind.name != "cpu":
+        start = _SESSIONS.get(self.device_kind.name)
+        if start is None:
             raise TallowError(
-                f"tensor parallelism on {self.device_kind.name} needs a collective library "
-                "(NCCL) the apache-tvm wheel lacks; only CPU worker threads run today"
+                f"tensor parallelism runs on cpu (worker threads) or cuda (NCCL), "
+                f"not {self.device_kind.name}"
             )
-        cpu_collective.register()
         self.device = tvm.cpu(0)  # the controller's side of inputs and logits
-        self.session = sess = self._disco.ThreadedSession(self.workers)
-        # Worker threads still running when the interpreter exits abort it (std::terminate).
+        self.session = start(self, tvm, choice)
+        # Workers still running when the interpreter exits abort it (std::terminate).
         atexit.register(_close_at_exit, weakref.ref(self))
+        self._reshape = self.session.get_global_func("vm.builtin.reshape")
+
+    def _start_threads(self, tvm, choice: LibraryChoice):
+        """CPU: worker threads of this process, tallow's Python collectives, and weights sliced
+        here and copied to each worker."""
+        cpu_collective.register()
+        sess = self._disco.ThreadedSession(self.workers)
         library = choice.library
         self.vm = sess.load_vm_module(str(library_path(self.folder, library)), device=self.device)
         rules = self.manifest.tensor_parallel.shards
@@ -86,7 +97,24 @@ class TPModelRunner(TVMModelRunner):
                 dref.debug_copy_from(rank, tvm.runtime.tensor(part))
             drefs.append(dref)
         self.params = sess.get_global_func("ffi.Array")(*drefs)
-        self._reshape = sess.get_global_func("vm.builtin.reshape")
+        return sess
+
+    def _start_processes(self, tvm, choice: LibraryChoice):
+        """CUDA: one worker process per GPU (`tp_worker.py`), NCCL between them, and each
+        worker reading its own weight slices. Written against TVM 0.27's Disco and never run:
+        no GPU was available (docs/tensor-parallel.md)."""
+        self._disco = disco(ccl="nccl")  # the controller runs init_ccl: it needs the module
+        sess = start_workers(self._disco, self.workers)
+        try:
+            sess.init_ccl("nccl", *range(self.workers))  # worker i on cuda:i
+            library = choice.library
+            path = str(library_path(self.folder, library))
+            self.vm = sess.load_vm_module(path)  # on each worker's default device, cuda:i
+            self.params = load_shards(sess, self.folder, library.file)
+        except BaseException:
+            sess.shutdown()  # live worker processes would outlast a failed load
+            raise
+        return sess
 
     def _global_func(self, name: str):
         return self.session.get_global_func(name)
@@ -150,6 +178,23 @@ class TPModelRunner(TVMModelRunner):
         self.__dict__.pop("_free_pages", None)
         session._sync_all()
         session.shutdown()
+
+
+# The session each device kind runs its workers in.
+_SESSIONS = {"cpu": TPModelRunner._start_threads, "cuda": TPModelRunner._start_processes}
+
+
+def start_workers(disco_module, workers: int):
+    """A ProcessSession whose workers run tallow's entrypoint (`tp_worker.py`); worker 0 is a
+    thread of this process, so `load_shard` is registered here too."""
+    tp_worker.register()
+    return disco_module.ProcessSession(workers, entrypoint="tallow.runtime.tp_worker")
+
+
+def load_shards(session, folder: Path, library_file: str):
+    """Each worker of `session` loads its own slices of the artifact's weights
+    (`tp_worker.load_shard`); a DRef to every worker's parameter array."""
+    return session.get_global_func(LOAD_SHARD)(str(Path(folder).resolve()), library_file)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

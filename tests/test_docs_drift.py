@@ -88,7 +88,7 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
     return {s for a in parser._actions for s in a.option_strings}
 
 
-COMMAND = re.compile(r"(?<![\w/-])(?:\.venv/bin/)?tallow((?: -v)?) ([a-z]+)\b")
+COMMAND = re.compile(r"(?<![\w/-])(?:\.venv/bin/)?tallow((?: -v)?) ([a-z]+(?:-[a-z]+)*)\b")
 OPTION = re.compile(r"(?<![\w-])(--?[a-zA-Z][a-zA-Z0-9-]*)")
 
 

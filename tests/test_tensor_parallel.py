@@ -204,3 +204,57 @@ def test_compile_refuses_a_degree_that_is_no_power_of_two_before_tvm(tmp_path):
 
     with pytest.raises(TallowError, match="--tensor-parallel 3: must be a power of two"):
         compile_model(CompileOptions(model=str(tmp_path), output=tmp_path, tensor_parallel=3))
+
+
+# --- ProcessSession workers (the CUDA path's session), on the CPU ---------------------------
+
+LOAD_SHARDS = """
+import json, os, sys
+from pathlib import Path
+import numpy as np
+from tallow.runtime.disco_runtime import disco
+d = disco()
+from tallow.runtime.artifact import read_weights
+from tallow.runtime.manifest import Manifest
+from tallow.runtime.tp_runner import load_shards, shard, start_workers
+folder = Path(sys.argv[1])
+manifest = Manifest.read(folder)
+library = manifest.libraries[0]
+sess = start_workers(d, 2)
+params = load_shards(sess, folder, library.file)
+whole = read_weights(folder, manifest, library)
+rules = manifest.tensor_parallel.shards
+infos = manifest.params_for(library)
+worst, split, shapes = 0.0, 0, []
+for rank in range(2):
+    got = params.debug_get_from_remote(rank)
+    assert len(got) == len(infos)
+    for info, w, g in zip(infos, whole, got):
+        rule = rules.get(info.name)
+        want = shard(w, rule, 2, rank) if rule else w
+        g = g.numpy()
+        shapes.append(list(g.shape) == list(want.shape))
+        if g.shape == want.shape:
+            worst = max(worst, float(np.abs(g - want).max()))
+        split += rule is not None
+sess.shutdown()
+print(json.dumps({"worst": worst, "split": split, "shapes": all(shapes), "n": len(infos)}))
+"""
+
+
+@pytest.mark.slow
+def test_process_session_workers_load_their_own_weight_slices(tiny_model_dir, tmp_path):
+    """The CUDA path's session, run on the CPU: two `tp_worker` workers (worker 1 a separate
+    process) each read their slices from the artifact's files; compared with slicing the
+    whole weights here. No forward: the CPU collective needs threads of one process."""
+    tp = _compile(tiny_model_dir("llama"), tmp_path, 2)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LOAD_SHARDS), str(tp)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["shapes"] and got["worst"] == 0.0, got
+    assert got["split"] > 0 and got["split"] < 2 * got["n"], got  # some split, some whole
