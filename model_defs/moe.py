@@ -52,9 +52,14 @@ class MoEMLP(nn.Module):
         from .decoder import MLP, linear  # the dense parts (decoder.py imports this module)
 
         self.shared_expert = self.shared_expert_gate = None
+        # tensor parallelism: each worker's experts (and shared expert) are 1/N of their width;
+        # one all-reduce sums the partial outputs of both (tensor_parallel.py)
+        self.tensor_parallel = config.tensor_parallel
         if config.shared_expert_intermediate_size:
             width = config.shared_expert_intermediate_size
-            self.shared_expert = MLP(config, dtype, f"{prefix}.shared_expert", quant, width)
+            self.shared_expert = MLP(
+                config, dtype, f"{prefix}.shared_expert", quant, width, reduce=False
+            )
             gate = linear(f"{prefix}.shared_expert_gate", config.hidden_size, 1, False, dtype, {})
             self.shared_expert_gate = gate
         self.act = config.hidden_act
@@ -71,6 +76,8 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         from tallow.schedules.cpu import moe_int8
+
+        from .decoder import all_reduce
         from tallow.schedules.moe import (
             combine_kernel,
             group_kernel,
@@ -133,7 +140,7 @@ class MoEMLP(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             out = out + op.sigmoid(self.shared_expert_gate(tokens)) * shared
-        return op.reshape(out, (b, s, h))
+        return op.reshape(all_reduce(out, self.tensor_parallel), (b, s, h))
 
 
 class MoEExperts(nn.Module):

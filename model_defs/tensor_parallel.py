@@ -7,6 +7,14 @@ multiplies its share of the inputs; the partial outputs are summed by an all-red
 `decoder.all_reduce`). Norms, the embedding and the vocab head are replicated: every worker
 computes the full logits, so there is no gather, and worker 0's are read.
 
+Mixture-of-experts layers are split by each expert's width, not by expert: every worker
+holds every expert's 1/N of the intermediate columns (the router is replicated, so every
+worker routes every token the same way), runs the same grouped kernels on its narrower
+experts, and one all-reduce follows the experts' down projection (a shared expert's partial
+output is added first: its sigmoid gate is computed from the replicated input, so the sum
+commutes with it). Splitting by expert would need an all-to-all and balance the workers only
+as well as the router balances experts; MLC-LLM chose the width for the same reasons.
+
 The compiler builds the module from `local_config` (one worker's shapes), writes the
 weights unsharded, and records a `ShardRule` per split parameter in the manifest; the runtime
 cuts each worker's share at load (`runtime/tp_runner.py`) without knowing the model.
@@ -41,14 +49,47 @@ def _qkv(c: DecoderConfig) -> list[int]:
     return [q, kv, kv]
 
 
+def _experts(c: DecoderConfig) -> list[int]:
+    # a stacked gate/up: each expert's rows are one part, so each worker gets a slice of each
+    return [c.moe_intermediate_size] * c.num_experts
+
+
 # (parameter-name pattern, axis, parts from the full config; None: the whole axis)
 _RULES: tuple[tuple[str, int, Callable[[DecoderConfig], list[int]] | None], ...] = (
     (r"\.self_attn\.qkv_proj\.(weight|bias)$", 0, _qkv),
     (r"\.self_attn\.o_proj\.weight$", 1, None),
     (r"\.mlp\.gate_up_proj\.weight$", 0, lambda c: [c.intermediate_size] * 2),
     (r"\.mlp\.down_proj\.weight$", 1, None),
+    (r"\.mlp\.experts\.(gate_proj|up_proj)$", 0, _experts),
+    (r"\.mlp\.experts\.down_proj$", 1, None),
+    (
+        r"\.mlp\.shared_expert\.gate_up_proj\.weight$",
+        0,
+        lambda c: [c.shared_expert_intermediate_size] * 2,
+    ),
+    (r"\.mlp\.shared_expert\.down_proj\.weight$", 1, None),
 )
-_ROW_PARALLEL = {r"\.self_attn\.o_proj\.weight$": "o_proj", r"\.mlp\.down_proj\.weight$": "down"}
+# Row-parallel weights and the full width of their inputs: a quantized one must split on
+# block boundaries.
+_ROW_PARALLEL: dict[str, Callable[[DecoderConfig], int]] = {
+    r"\.self_attn\.o_proj\.weight$": lambda c: _qkv(c)[0],
+    r"\.mlp\.down_proj\.weight$": lambda c: c.intermediate_size,
+    r"\.mlp\.experts\.down_proj$": lambda c: c.moe_intermediate_size,
+    r"\.mlp\.shared_expert\.down_proj\.weight$": lambda c: c.shared_expert_intermediate_size,
+}
+
+
+def _widths(c: DecoderConfig) -> dict[str, int]:
+    """The widths the degree must divide: the dense MLP's where a layer keeps one, each MoE
+    expert's and the shared expert's."""
+    widths = {}
+    if len(c.moe_layers) < c.num_hidden_layers or not c.num_experts:
+        widths["intermediate_size"] = c.intermediate_size
+    if c.num_experts:
+        widths["moe_intermediate_size"] = c.moe_intermediate_size
+    if c.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size
+    return widths
 
 
 def check_degree(config: DecoderConfig, n: int, quant: dict | None = None) -> None:
@@ -57,25 +98,25 @@ def check_degree(config: DecoderConfig, n: int, quant: dict | None = None) -> No
         raise ConfigError(f"--tensor-parallel {n}: must be a power of two (1, 2, 4, ...)")
     if n == 1:
         return
-    if config.num_experts:
-        raise ConfigError(f"--tensor-parallel {n}: mixture-of-experts models are not split yet")
-    kv, inter = config.num_key_value_heads, config.intermediate_size
+    kv = config.num_key_value_heads
     if kv % n:
         raise ConfigError(f"--tensor-parallel {n}: does not divide the {kv} KV heads")
-    if inter % n:
-        raise ConfigError(f"--tensor-parallel {n}: does not divide intermediate_size {inter}")
+    for field, width in _widths(config).items():
+        if width % n:
+            raise ConfigError(f"--tensor-parallel {n}: does not divide {field} {width}")
     for name, qtype in (quant or {}).items():
         if not isinstance(qtype, str):
             raise ConfigError(
                 f"--tensor-parallel {n}: {name} mixes block types across its parts; "
                 "compile with one --quant format for tensor parallelism"
             )
-        if qtype == "none" or not any(re.search(p, name) for p in _ROW_PARALLEL):
+        inputs = next((f for p, f in _ROW_PARALLEL.items() if re.search(p, name)), None)
+        if qtype == "none" or inputs is None:
             continue
         from tallow.compiler.quant.registry import get_format
 
         block = get_format(qtype).block_size
-        cols = _qkv(config)[0] if "o_proj" in name else inter
+        cols = inputs(config)
         if (cols // n) % block:
             raise ConfigError(
                 f"--tensor-parallel {n}: {name} ({qtype}) would be cut inside a block "
@@ -84,7 +125,8 @@ def check_degree(config: DecoderConfig, n: int, quant: dict | None = None) -> No
 
 
 def local_config(config: DecoderConfig, n: int) -> DecoderConfig:
-    """One worker's share of the layers: 1/n of the heads and of the MLP width."""
+    """One worker's share of the layers: 1/n of the heads and of every MLP width (dense,
+    each expert's, the shared expert's); the experts' count and the router are whole."""
     if n == 1:
         return config
     return dataclasses.replace(
@@ -92,6 +134,8 @@ def local_config(config: DecoderConfig, n: int) -> DecoderConfig:
         num_attention_heads=config.num_attention_heads // n,
         num_key_value_heads=config.num_key_value_heads // n,
         intermediate_size=config.intermediate_size // n,
+        moe_intermediate_size=config.moe_intermediate_size // n,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // n,
         tensor_parallel=n,
     )
 
