@@ -140,6 +140,11 @@ def local_config(config: DecoderConfig, n: int) -> DecoderConfig:
     )
 
 
+def is_split(name: str) -> bool:
+    """Whether N workers each hold a slice of parameter `name` (else every one holds it)."""
+    return any(re.search(pattern, name) for pattern, _, _ in _RULES)
+
+
 def shard_rule(name: str, full_shape: tuple[int, ...], config: DecoderConfig) -> ShardRule | None:
     """The rule that cuts parameter `name` (None: replicated on every worker)."""
     for pattern, axis, parts in _RULES:
