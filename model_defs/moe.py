@@ -76,14 +76,14 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         from tallow.schedules.cpu import moe_int8
-
-        from .decoder import all_reduce
         from tallow.schedules.moe import (
             combine_kernel,
             group_kernel,
             grouped_matmul_kernel,
             route_kernel,
         )
+
+        from .decoder import all_reduce
 
         b, s, h = x.shape
         e, k, w = self.num_experts, self.top_k, self.width

@@ -105,11 +105,10 @@ def check_degree(config: DecoderConfig, n: int, quant: dict | None = None) -> No
         if width % n:
             raise ConfigError(f"--tensor-parallel {n}: does not divide {field} {width}")
     for name, qtype in (quant or {}).items():
+        # a fused projection whose parts differ in format (a tuple) is split run by run
+        # (`full_shapes`); it is column-parallel, so no block is ever cut
         if not isinstance(qtype, str):
-            raise ConfigError(
-                f"--tensor-parallel {n}: {name} mixes block types across its parts; "
-                "compile with one --quant format for tensor parallelism"
-            )
+            continue
         inputs = next((f for p, f in _ROW_PARALLEL.items() if re.search(p, name)), None)
         if qtype == "none" or inputs is None:
             continue
@@ -153,17 +152,48 @@ def shard_rule(name: str, full_shape: tuple[int, ...], config: DecoderConfig) ->
     return None
 
 
+# A fused projection whose parts differ in block format is one parameter per run of
+# consecutive parts of one format (model_defs/projections.py): `P.runs.{i}.weight`.
+_RUN = re.compile(r"^(.*)\.runs\.(\d+)\.weight$")
+
+
+def _run_parts(parts: tuple[int, ...], runs: list[int], index: int) -> tuple[int, ...]:
+    """The parts of run `index`, the fused projection's `parts` being cut into consecutive
+    groups of `runs` rows each (whole sizes)."""
+    groups, rest = [], list(parts)
+    for rows in runs:
+        group = []
+        while rest and sum(group) < rows:
+            group.append(rest.pop(0))
+        if sum(group) != rows:
+            raise ConfigError(f"runs of {runs} rows do not follow the parts {list(parts)}")
+        groups.append(tuple(group))
+    return groups[index]
+
+
 def full_shapes(params, config: DecoderConfig, n: int) -> tuple[list, dict[str, ShardRule]]:
     """The unsharded `ParamSpec`s of one worker's `params`, and the rule of each split one."""
     if n == 1:
         return list(params), {}
+    runs: dict[str, dict[int, int]] = {}  # fused name -> run index -> local rows
+    for p in params:
+        m = _RUN.match(p.name)
+        if m:
+            runs.setdefault(m.group(1), {})[int(m.group(2))] = p.shape[0]
     out, rules = [], {}
     for p in params:
-        if any(re.search(pattern, p.name) for pattern, _, _ in _RULES):
-            axis = next(a for pattern, a, _ in _RULES if re.search(pattern, p.name))
+        m = _RUN.match(p.name)
+        fused = f"{m.group(1)}.weight" if m else p.name
+        rule = next(((pat, a) for pat, a, _ in _RULES if re.search(pat, fused)), None)
+        if rule is not None:
+            axis = rule[1]
             shape = list(p.shape)
             shape[axis] *= n
             p = dataclasses.replace(p, shape=tuple(shape))
-            rules[p.name] = shard_rule(p.name, p.shape, config)
+            whole = shard_rule(fused, tuple(shape), config)
+            if m:  # one run of a fused, column-parallel projection: its own parts
+                sizes = [rows * n for _, rows in sorted(runs[m.group(1)].items())]
+                whole = ShardRule(axis, _run_parts(whole.parts, sizes, int(m.group(2))))
+            rules[p.name] = whole
         out.append(p)
     return out, rules

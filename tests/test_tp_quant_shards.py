@@ -128,3 +128,29 @@ def test_a_compile_that_would_cut_inside_a_block_is_refused_in_one_line(tiny_mod
     with pytest.raises(TallowError, match=r"--tensor-parallel 2: .*o_proj.*\(q4k\).*block") as e:
         compile_model(opts)
     assert "\n" not in str(e.value)
+
+
+def test_a_fused_projection_of_two_formats_is_split_run_by_run():
+    """Q4_K_M's q/k in q4k and v in q6k: the fused qkv is two parameters (runs), each cut by
+    its own parts; worker r's runs must dequantize to its q, k and v rows of the whole."""
+    n, name = 2, "model.layers.0.self_attn.qkv_proj"
+    types = ("q4k", "q4k", "q6k")
+    check_degree(CONFIG, n, {f"{name}.weight": types})
+    local = [
+        ParamSpec(f"{name}.runs.0.weight", ((Q + KV) // n, row_bytes("q4k", HIDDEN)), "uint8"),
+        ParamSpec(f"{name}.runs.1.weight", (KV // n, row_bytes("q6k", HIDDEN)), "uint8"),
+    ]
+    full, rules = full_shapes(local, CONFIG, n)
+    assert [rules[p.name].parts for p in full] == [(Q, KV), (KV,)]
+    x = np.random.default_rng(1).standard_normal((Q + 2 * KV, HIDDEN)).astype(np.float32)
+    runs = [weight_blocks(x[: Q + KV], "q4k"), weight_blocks(x[Q + KV :], "q6k")]
+    assert [r.shape for r in runs] == [p.shape for p in full]
+    ggml = [GGMLQuantizationType(QUANT_FORMATS[t].ggml_type) for t in ("q4k", "q6k")]
+    whole = np.concatenate([dequantize(r, g) for r, g in zip(runs, ggml, strict=True)])
+    for rank in range(n):
+        mine = [
+            dequantize(shard(r, rules[p.name].to_dict(), n, rank), g)
+            for r, p, g in zip(runs, full, ggml, strict=True)
+        ]
+        expected = _float_slice(whole, ("rows", [Q, KV, KV]), n, rank)
+        assert np.array_equal(np.concatenate(mine), expected)

@@ -297,6 +297,20 @@ CONFIGS = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
+    # 8 q heads of 64 (o_proj: 512 inputs) and FFN 512: at TP=2 each worker's share of
+    # o_proj and down_proj is whole 256-weight K-quant blocks.
+    "qwen3_heads8": {
+        **BASE,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+    },
     # Mistral's window covers every layer.
     "mistral_window": {
         **BASE,
