@@ -14,6 +14,10 @@ Expert weights are stored stacked, one parameter per projection: `experts.gate_p
 (uint8 [rows, row_bytes]), dequantized inside the grouped matmul, never stored as float.
 On CPUs with AVX-512 VNNI a float32 model's quantized stacks take int8 activations instead
 (`schedules/cpu/moe_int8.py`, the dense layers' tiles), as the dense int8 passes do.
+
+Tensor parallelism (tensor_parallel.py): every worker holds every expert at 1/N of its width
+(and the shared expert at 1/N of its own), the router whole; the layer's one all-reduce
+follows the weighted sum plus the shared expert's share.
 """
 
 from __future__ import annotations
