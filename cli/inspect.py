@@ -1,5 +1,7 @@
 """`tallow inspect`: what an artifact holds, in a dozen lines (`--full`: the whole manifest,
-about 1,350 lines for SmolLM2), or with `--gpu` its decode roofline on a named GPU."""
+about 1,350 lines for SmolLM2), or with `--gpu` its decode roofline on a named GPU; with
+`--tensor-parallel N`, each step's all-reduce traffic at N workers (and with `--gpu`, its
+time next to the weight streaming time: runtime/tp_estimate.py)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,35 @@ def add_inspect_parser(sub, artifact_type, artifact_help: str) -> None:
     p.add_argument(
         "--context", type=int, default=512, help="positions each sequence attends to (512)"
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="print the all-reduces N workers make per step (count, bytes; with --gpu, an "
+        "estimated time next to the weight streaming time at N and at 1 GPU); the artifact "
+        "may be compiled for one worker",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=512,
+        help="tokens of the prefill step --tensor-parallel sizes (512)",
+    )
 
 
 def run_inspect(args) -> int:
     from tallow.cli.hub import manifest_folder
 
     manifest = Manifest.read(manifest_folder(args.artifact))
+    if args.tensor_parallel is not None:
+        from tallow.runtime.tp_estimate import tp_estimate
+
+        n = args.tensor_parallel
+        estimate = tp_estimate(
+            manifest, n, _split_rule(manifest, n), args.batch, args.prefill, args.gpu, args.context
+        )
+        print(estimate.describe())
+        return 0
     if args.gpu is not None:
         from tallow.runtime.roofline import decode_roofline
 
@@ -56,6 +81,30 @@ def run_inspect(args) -> int:
         return 0
     sys.stdout.write(manifest.to_yaml() if args.full else summary(manifest))
     return 0
+
+
+def _split_rule(manifest: Manifest, n: int):
+    """Which weights N workers divide: the artifact's own rules when it was compiled for
+    tensor parallelism, else the compiler's (which also refuse a degree the model cannot be
+    split by, in one line)."""
+    if manifest.tensor_parallel is not None:
+        return set(manifest.tensor_parallel.shards).__contains__
+    from tallow.model_defs.config import DecoderConfig
+    from tallow.model_defs.config_fields import ConfigError
+    from tallow.model_defs.tensor_parallel import check_degree, is_split
+    from tallow.runtime.errors import ArtifactError
+
+    try:
+        config = DecoderConfig(**manifest.model.config)
+    except TypeError:  # a manifest from another tallow: the split rules need no config
+        config = None
+    if config is not None:
+        quant = {p.name: p.quant for p in manifest.params if p.quant != "none"}
+        try:
+            check_degree(config, n, quant)
+        except ConfigError as e:
+            raise ArtifactError(str(e)) from e
+    return is_split
 
 
 _ITEMSIZE = {**DTYPE_BYTES, "uint8": 1, "int8": 1, "int32": 4}

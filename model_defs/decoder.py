@@ -152,6 +152,7 @@ class MLP(nn.Module):
         prefix: str,
         quant: QuantTypes,
         width: int | None = None,  # a shared expert's own width (Qwen2-MoE)
+        reduce: bool = True,  # False: the caller all-reduces (a shared expert, with the rest)
     ):
         self.act = config.hidden_act
         hidden, inter = config.hidden_size, width or config.intermediate_size
@@ -159,7 +160,7 @@ class MLP(nn.Module):
             f"{prefix}.gate_up_proj", hidden, [inter, inter], False, dtype, quant, linear
         )
         self.down_proj = linear(f"{prefix}.down_proj", inter, hidden, False, dtype, quant)
-        self.tensor_parallel = config.tensor_parallel
+        self.tensor_parallel = config.tensor_parallel if reduce else 1
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)

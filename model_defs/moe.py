@@ -14,6 +14,10 @@ Expert weights are stored stacked, one parameter per projection: `experts.gate_p
 (uint8 [rows, row_bytes]), dequantized inside the grouped matmul, never stored as float.
 On CPUs with AVX-512 VNNI a float32 model's quantized stacks take int8 activations instead
 (`schedules/cpu/moe_int8.py`, the dense layers' tiles), as the dense int8 passes do.
+
+Tensor parallelism (tensor_parallel.py): every worker holds every expert at 1/N of its width
+(and the shared expert at 1/N of its own), the router whole; the layer's one all-reduce
+follows the weighted sum plus the shared expert's share.
 """
 
 from __future__ import annotations
@@ -52,9 +56,14 @@ class MoEMLP(nn.Module):
         from .decoder import MLP, linear  # the dense parts (decoder.py imports this module)
 
         self.shared_expert = self.shared_expert_gate = None
+        # tensor parallelism: each worker's experts (and shared expert) are 1/N of their width;
+        # one all-reduce sums the partial outputs of both (tensor_parallel.py)
+        self.tensor_parallel = config.tensor_parallel
         if config.shared_expert_intermediate_size:
             width = config.shared_expert_intermediate_size
-            self.shared_expert = MLP(config, dtype, f"{prefix}.shared_expert", quant, width)
+            self.shared_expert = MLP(
+                config, dtype, f"{prefix}.shared_expert", quant, width, reduce=False
+            )
             gate = linear(f"{prefix}.shared_expert_gate", config.hidden_size, 1, False, dtype, {})
             self.shared_expert_gate = gate
         self.act = config.hidden_act
@@ -77,6 +86,8 @@ class MoEMLP(nn.Module):
             grouped_matmul_kernel,
             route_kernel,
         )
+
+        from .decoder import all_reduce
 
         b, s, h = x.shape
         e, k, w = self.num_experts, self.top_k, self.width
@@ -133,7 +144,7 @@ class MoEMLP(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens)
             out = out + op.sigmoid(self.shared_expert_gate(tokens)) * shared
-        return op.reshape(out, (b, s, h))
+        return op.reshape(all_reduce(out, self.tensor_parallel), (b, s, h))
 
 
 class MoEExperts(nn.Module):

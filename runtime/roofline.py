@@ -28,6 +28,11 @@ class GPUSpec:
     bandwidth_gbs: float  # memory bandwidth, GB/s (10^9 bytes)
     f16_tflops: float  # peak dense f16 tensor/matrix throughput, TFLOP/s (no sparsity)
     source: str
+    # GPU-to-GPU bandwidth in one direction, GB/s (tensor parallelism, tp_estimate.py): the
+    # data sheets give NVLink's total over both directions, half of it each way. None: one
+    # GPU per machine.
+    link_gbs: float | None = None
+    link_source: str = ""
 
 
 # Vendor data sheets (dense figures; "with sparsity" numbers are twice these).
@@ -35,22 +40,69 @@ GPUS = {
     g.name: g
     for g in (
         # NVIDIA H200 datasheet (SXM): 4.8 TB/s HBM3e, FP16 Tensor Core 1,979 TFLOPS sparse.
-        GPUSpec("H200", 4800, 989.5, "NVIDIA H200 Tensor Core GPU datasheet, SXM"),
+        GPUSpec(
+            "H200",
+            4800,
+            989.5,
+            "NVIDIA H200 Tensor Core GPU datasheet, SXM",
+            450,
+            "NVLink 900 GB/s both ways, H200 datasheet",
+        ),
         # NVIDIA H100 datasheet (SXM): 3.35 TB/s, FP16 Tensor Core 1,979 TFLOPS sparse.
-        GPUSpec("H100 SXM", 3350, 989.5, "NVIDIA H100 Tensor Core GPU datasheet, SXM"),
+        GPUSpec(
+            "H100 SXM",
+            3350,
+            989.5,
+            "NVIDIA H100 Tensor Core GPU datasheet, SXM",
+            450,
+            "NVLink 900 GB/s both ways, H100 datasheet",
+        ),
         # NVIDIA A100 datasheet (80GB SXM): 2,039 GB/s, FP16 Tensor Core 312 TFLOPS dense.
-        GPUSpec("A100 80GB", 2039, 312, "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM"),
+        GPUSpec(
+            "A100 80GB",
+            2039,
+            312,
+            "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM",
+            300,
+            "NVLink 600 GB/s both ways, A100 datasheet",
+        ),
         # NVIDIA L4 datasheet: 300 GB/s, FP16 Tensor Core 242 TFLOPS sparse.
-        GPUSpec("L4", 300, 121, "NVIDIA L4 Tensor Core GPU datasheet"),
+        GPUSpec(
+            "L4",
+            300,
+            121,
+            "NVIDIA L4 Tensor Core GPU datasheet",
+            32,
+            "no NVLink: PCIe Gen4 x16 64 GB/s both ways, L4 datasheet",
+        ),
         # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 1,008 GB/s GDDR6X,
         # FP16 Tensor 165.2 TFLOPS dense with FP32 accumulate (330.3 with FP16 accumulate).
-        GPUSpec("RTX 4090", 1008, 165.2, "NVIDIA Ada GPU architecture whitepaper, Table 2"),
+        GPUSpec(
+            "RTX 4090",
+            1008,
+            165.2,
+            "NVIDIA Ada GPU architecture whitepaper, Table 2",
+            32,
+            "no NVLink: PCIe 4.0 x16, about 32 GB/s each way",
+        ),
         # Apple M2 Max (38-core GPU) tech specs: 400 GB/s; Apple states 13.6 TFLOPS (FP32);
         # Apple GPUs run f16 matrix math (simdgroup matrices) at the same peak.
-        GPUSpec("M2 Max", 400, 13.6, "Apple M2 Max press release (Jan 2023), 38-core GPU"),
+        GPUSpec(
+            "M2 Max",
+            400,
+            13.6,
+            "Apple M2 Max press release (Jan 2023), 38-core GPU",
+            link_source="one GPU per machine",
+        ),
         # Apple M3 Max (40-core GPU) tech specs: 400 GB/s (the 30-core part has 300 GB/s);
         # Apple gives no TFLOPS figure: 40 cores x 128 ALUs x 2 x 1.6 GHz ~= 16.4 TFLOPS.
-        GPUSpec("M3 Max", 400, 16.4, "Apple MacBook Pro (Nov 2023) tech specs, 40-core GPU"),
+        GPUSpec(
+            "M3 Max",
+            400,
+            16.4,
+            "Apple MacBook Pro (Nov 2023) tech specs, 40-core GPU",
+            link_source="one GPU per machine",
+        ),
     )
 }
 

@@ -223,6 +223,13 @@ def grouped_matmul_kernel(
     chunk = _chunk(n_out, nt, 16)
     kv = k_dim // lanes
 
+    def lane_sum(acc, start):
+        # one lane (k not a multiple of LANES, e.g. a tensor-parallel worker's 12 of an
+        # expert's 48 columns): TVM takes no 1-lane Ramp
+        if lanes == 1:
+            return acc[start]
+        return reduce_lanes(acc[T.Ramp(start, 1, lanes)], lanes, add)
+
     @T.macro
     def one_row(x, rows, y, wt, acc, r, n0):
         for a in T.unroll(nt):
@@ -235,8 +242,7 @@ def grouped_matmul_kernel(
                         x_at(x, rows, r, kk * lanes + ln) * wt[a * k_dim + kk * lanes + ln]
                     )
         for a in T.unroll(nt):
-            total = reduce_lanes(acc[T.Ramp(a * lanes, 1, lanes)], lanes, add)
-            y[r, n0 + a] = T.Cast(x_dtype, total)
+            y[r, n0 + a] = T.Cast(x_dtype, lane_sum(acc, a * lanes))
 
     @T.macro
     def row_tile(x, rows, y, wt, acc, r0, n0):
@@ -252,10 +258,7 @@ def grouped_matmul_kernel(
                         )
         for r in T.unroll(ROWS):
             for a in T.unroll(nt):
-                y[r0 + r, n0 + a] = T.Cast(
-                    x_dtype,
-                    reduce_lanes(acc[T.Ramp((r * nt + a) * lanes, 1, lanes)], lanes, add),
-                )
+                y[r0 + r, n0 + a] = T.Cast(x_dtype, lane_sum(acc, (r * nt + a) * lanes))
 
     @T.prim_func(private=True, s_tir=True)
     def grouped_cpu(

@@ -152,3 +152,24 @@ def test_combine_weights_each_tokens_rows(kernels):
         for k in range(TOP_K):
             want[t] += weights[t, k] * y[slot[t * TOP_K + k]]
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_matmul_takes_a_width_that_is_no_multiple_of_8(kernels):
+    """A tensor-parallel worker's slice of an expert can be 12 columns wide (48 / 4): the CPU
+    kernel then runs one lane at a time (it failed to build before: no 1-lane Ramp)."""
+    k_dim = 12
+    func = grouped_matmul_kernel(EXPERTS, N_OUT, k_dim, "none", "float32", "float32", True, False)
+    lib = tvm.compile(tvm.IRModule({"g": func.with_attr("global_symbol", "g")}), target="llvm")
+    rng = np.random.default_rng(4)
+    _, ids, indptr, rows, _, active = _grouping(kernels)
+    x = rng.standard_normal((TOKENS, k_dim)).astype(np.float32)
+    w = rng.standard_normal((EXPERTS, N_OUT, k_dim)).astype(np.float32)
+    n = TOKENS * TOP_K
+    (y,) = _run(
+        lib, "g", x, rows, indptr, active, w.reshape(-1, k_dim), outs=[((n, N_OUT), "float32")]
+    )
+    want = np.zeros((n, N_OUT), np.float32)
+    for e in range(EXPERTS):
+        for r in range(indptr[e], indptr[e + 1]):
+            want[r] = w[e] @ x[rows[r]]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

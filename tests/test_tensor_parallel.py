@@ -72,7 +72,6 @@ def test_full_shapes_undo_the_local_config():
         (3, {}, None, "power of two"),
         (4, {}, None, "does not divide the 2 KV heads"),
         (2, {}, {"model.layers.0.self_attn.o_proj.weight": "q4k"}, "inside a block"),
-        (2, {}, {"model.layers.0.self_attn.qkv_proj.weight": ("q8_0", "q6k", "q6k")}, "mixes"),
     ],
 )
 def test_degrees_that_cannot_split_are_refused_in_one_line(degree, changes, quant, says):
