@@ -4,7 +4,8 @@
 `SHAPE_NAMES`: the random-weight Q4_K_M stand-ins from gguf_shapes.py (built on first use;
 `NAME.q5_k_m` is the same shape in another of gguf_shapes.FTYPES),
 the real Gemma 3 270M Q4_K_M file (`gemma-3-270m-real`) and the embedded SmolLM2 Q4_1
-(`smollm2-q4_1`); `all` is every one of them. Compiling a 1B model takes minutes on two
+(`smollm2-q4_1`); `all` is every one of them but gguf_shapes.LARGE (4B and 8B, which take
+minutes a round and several GB each: name them). Compiling a 1B model takes minutes on two
 cores, so artifacts are cached by file name under `--artifact-dir` and reused between runs.
 """
 
@@ -55,7 +56,8 @@ def expand(names: list[str]) -> list[str]:
     """`all` expanded, unknown names refused with the list of known ones."""
     out: list[str] = []
     for name in names:
-        for n in SHAPE_NAMES if name == "all" else (name,):
+        every = [n for n in SHAPE_NAMES if n not in gguf_shapes.LARGE]
+        for n in every if name == "all" else (name,):
             if split_ftype(n)[0] not in SHAPE_NAMES:
                 raise SystemExit(f"unknown shape {n!r}; known: all, {', '.join(SHAPE_NAMES)}")
             if n not in out:

@@ -1,15 +1,19 @@
 """Random-weight GGUF files of real model shapes in llama.cpp's Q4_K_M mix, for benchmarks.
 
-    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes]   # default: all shapes
+    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes] [--ftype Q4_K_M Q5_K_M]
+
+With no SHAPE, every shape but the `LARGE` ones (4B and 8B: an 8B file takes a 16 GB f16
+intermediate and 20-40 minutes on two cores); name those to build them.
 
 Speed does not depend on weight values, so a file with the shape, tensor names and quant types
 of a downloaded model stands in for it. Each shape is written as an f16 GGUF (f32 where
 llama.cpp keeps f32: norms and biases) by `gguf.GGUFWriter`, with random normal weights scaled
 by 0.02 so activations stay finite, then requantized by llama.cpp's own `llama_model_quantize`
-to Q4_K_M (llama-cpp-python), so the mix is exactly what llama.cpp chooses. The f16
-intermediate is deleted; a finished `<shape>.q4_k_m.gguf` already in the folder is reused.
+to Q4_K_M or Q5_K_M (`--ftype`, llama-cpp-python), so the mix is exactly what llama.cpp
+chooses. One f16 intermediate serves every `--ftype` and is then deleted; a finished
+`<shape>.<ftype>.gguf` already in the folder is reused.
 
-Tokenizers: the llama and qwen2 shapes carry SmolLM2's gpt2 BPE vocabulary padded with UNUSED
+Tokenizers: the llama, qwen2 and qwen3 shapes carry SmolLM2's gpt2 BPE vocabulary padded with UNUSED
 `[PAD{i}]` tokens up to the model's vocabulary size (llama.cpp and tallow both accept it);
 Gemma 3 copies the real 270M file's metadata, tokenizer and tensor names and shapes.
 """
@@ -84,6 +88,9 @@ SHAPES: dict[str, Shape | None] = {
         "llama", 2048, 24, 32, 32, 64, 8192, 49152, tied=True, rope_theta=130000.0, context=8192
     ),
 }  # fmt: skip
+
+
+LARGE = ("qwen3-4b", "llama-3.1-8b")  # built and benchmarked only when named
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -298,7 +305,8 @@ def build(name: str, out: Path, ftypes: tuple[str, ...] = ("Q4_K_M",)) -> list[P
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shapes", nargs="*", default=list(SHAPES), help=", ".join(SHAPES))
+    default = [s for s in SHAPES if s not in LARGE]
+    ap.add_argument("shapes", nargs="*", default=default, help=", ".join(SHAPES))
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--ftype", nargs="+", default=["Q4_K_M"], type=str.upper, help=" ".join(FTYPES))
     args = ap.parse_args()

@@ -131,3 +131,12 @@ def test_ftype_names_and_refusals(tmp_path):
     with pytest.raises(SystemExit, match="unknown shape 'nope.q5_k_m'"):
         bench_files.expand(["nope.q5_k_m"])
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_all_leaves_out_the_large_shapes():
+    sys.path.insert(0, str(Path(gguf_shapes.__file__).parent))
+    import bench_files
+
+    every = bench_files.expand(["all"])
+    assert "llama-3.2-1b" in every and not set(gguf_shapes.LARGE) & set(every)
+    assert bench_files.expand(["llama-3.1-8b"]) == ["llama-3.1-8b"]
