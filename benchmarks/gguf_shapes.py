@@ -188,6 +188,10 @@ def _dense_metadata(w: gguf.GGUFWriter, s: Shape, name: str, vocabulary: Vocabul
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_dimension_count(s.head_dim)
+    # a head's width as llama.cpp's converter writes it: Qwen3-4B's 32 heads of 128 are not
+    # hidden / heads (80), and without the key readers take 80 (tallow refused the file)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(s.vocab)

@@ -97,8 +97,9 @@ def test_tiny_shape_quantized_by_llamacpp_is_the_q4_k_m_mix(tiny_f16, tmp_path):
     assert llm.tokenize(b"hello there", add_bos=False) == ours
 
 
+# heads x head_dim (4 x 128) is not hidden (256), as in Qwen3-4B (32 x 128 against 2560)
 QWEN3 = gguf_shapes.Shape(
-    "qwen3", 256, 2, 4, 2, 64, 512, 1024, tied=True, qk_norm=True, rope_theta=1e6, rms_eps=1e-6
+    "qwen3", 256, 2, 4, 2, 128, 512, 1024, tied=True, qk_norm=True, rope_theta=1e6, rms_eps=1e-6
 )
 
 
@@ -112,10 +113,13 @@ def test_qwen3_shape_carries_q_k_norms_that_tallow_reads(tmp_path):
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     # per layer: 2 norms, q/k/v/o, q and k norms of one head's width, gate/up/down; tied: no head
     assert len(shapes) == 1 + 2 * 11 + 1 and "output.weight" not in shapes
-    assert shapes["blk.1.attn_q_norm.weight"] == shapes["blk.1.attn_k_norm.weight"] == (64,)
+    assert shapes["blk.1.attn_q_norm.weight"] == shapes["blk.1.attn_k_norm.weight"] == (128,)
+    assert shapes["blk.0.attn_q.weight"] == (4 * 128, 256)
     src = gguf_source("q3", path)
     assert src.config["architectures"] == ["Qwen3ForCausalLM"]
-    assert get_architecture(src.config).config_from_hf(src.config).qk_norm
+    cfg = get_architecture(src.config).config_from_hf(src.config)
+    # the head width comes from attention.key_length, not hidden / heads (64)
+    assert cfg.qk_norm and cfg.head_dim == 128
 
 
 def test_ftype_names_and_refusals(tmp_path):
