@@ -1,9 +1,11 @@
 """The GGUF files the CPU benchmarks run on, by short name, and their compiled artifacts.
 
 `--shape NAME` in cpu_vs_llamacpp.py, engine_throughput.py and decode_profile.py means one of
-`SHAPE_NAMES`: the random-weight Q4_K_M stand-ins from gguf_shapes.py (built on first use),
+`SHAPE_NAMES`: the random-weight Q4_K_M stand-ins from gguf_shapes.py (built on first use;
+`NAME.q5_k_m` is the same shape in another of gguf_shapes.FTYPES),
 the real Gemma 3 270M Q4_K_M file (`gemma-3-270m-real`) and the embedded SmolLM2 Q4_1
-(`smollm2-q4_1`); `all` is every one of them. Compiling a 1B model takes minutes on two
+(`smollm2-q4_1`); `all` is every one of them but gguf_shapes.LARGE (4B and 8B, which take
+minutes a round and several GB each: name them). Compiling a 1B model takes minutes on two
 cores, so artifacts are cached by file name under `--artifact-dir` and reused between runs.
 """
 
@@ -41,12 +43,22 @@ def gemma3_270m(folder: Path) -> Path:
     return out
 
 
+def split_ftype(name: str) -> tuple[str, str]:
+    """`llama-3.1-8b.q5_k_m` -> (`llama-3.1-8b`, `Q5_K_M`); a bare name is Q4_K_M."""
+    for ftype in gguf_shapes.FTYPES:
+        suffix = f".{ftype.lower()}"
+        if name.endswith(suffix) and name.removesuffix(suffix) in gguf_shapes.SHAPES:
+            return name.removesuffix(suffix), ftype
+    return name, "Q4_K_M"
+
+
 def expand(names: list[str]) -> list[str]:
     """`all` expanded, unknown names refused with the list of known ones."""
     out: list[str] = []
     for name in names:
-        for n in SHAPE_NAMES if name == "all" else (name,):
-            if n not in SHAPE_NAMES:
+        every = [n for n in SHAPE_NAMES if n not in gguf_shapes.LARGE]
+        for n in every if name == "all" else (name,):
+            if split_ftype(n)[0] not in SHAPE_NAMES:
                 raise SystemExit(f"unknown shape {n!r}; known: all, {', '.join(SHAPE_NAMES)}")
             if n not in out:
                 out.append(n)
@@ -65,7 +77,8 @@ def shape_file(name: str, folder: Path = gguf_shapes.DEFAULT_OUT) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         joined = folder / "gemma-3-270m-q4_k_m.gguf"
         return joined if joined.is_file() else gemma3_270m(folder)
-    return gguf_shapes.build(name, folder)
+    base, ftype = split_ftype(name)
+    return gguf_shapes.build(base, folder, (ftype,))[0]
 
 
 def compiled(gguf: Path, artifact_dir: Path | None, quant: str | None = None) -> Path:

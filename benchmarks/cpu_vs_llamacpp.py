@@ -23,6 +23,14 @@ call, TVM's and llama.cpp's worker threads keep spinning for a while, and the ot
 threads then share the cores with them. Measured on this 2-core machine (2026-12-01): llama.cpp
 ran the Qwen2.5-0.5B shape's prefill at 140 tok/s next to tallow and 172-181 tok/s alone.
 `--same-process` keeps the old arrangement for comparison.
+
+Bandwidth (`bandwidth.py`): before the rounds and after every turn the parent times a
+`--threads`-thread numpy read of 1 GiB (the stream figure; the best pass of the run is the
+ceiling). Each file's weight bytes per decode step (every tensor in its stored type, one row
+of an untied embedding) times decode tok/s gives the GB/s each side streams its weights at,
+and the table shows it with its share of the stream figure. At 3B-8B those shares say how
+close batch-1 decode is to the memory limit; at 0.5B the weights partly fit in cache and a
+share can exceed 100%.
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ from pathlib import Path
 
 import bench_files
 import numpy as np
+from bandwidth import Stream, weight_bytes_per_token
 from bench_files import gemma3_270m  # noqa: F401  (the old home of the wheel joiner)
 
 PROMPT_TOKENS = 500
-DECODE_TOKENS = 128
+DECODE_TOKENS = 128  # --decode-tokens: fewer keep an 8B round (~3-5 tok/s here) short
 
 
 class TallowSide:
@@ -54,7 +63,7 @@ class TallowSide:
         self.vocab = self.runner.vocab_size
         self._seq = 0
 
-    def run(self, prompt: list[int]) -> tuple[float, float]:
+    def run(self, prompt: list[int], steps: int = DECODE_TOKENS) -> tuple[float, float]:
         r = self.runner
         self._seq += 1
         r.add_sequence(self._seq)
@@ -64,9 +73,9 @@ class TallowSide:
             prefill = len(prompt) / (time.perf_counter() - t)
             token = int(np.argmax(logits[0]))
             t = time.perf_counter()
-            for _ in range(DECODE_TOKENS):
+            for _ in range(steps):
                 token = int(np.argmax(r.forward([(self._seq, [token])])[0]))
-            decode = DECODE_TOKENS / (time.perf_counter() - t)
+            decode = steps / (time.perf_counter() - t)
         finally:
             r.remove_sequence(self._seq)
         return prefill, decode
@@ -89,16 +98,16 @@ class LlamaCppSide:
         ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.vocab,))
 
-    def run(self, prompt: list[int]) -> tuple[float, float]:
+    def run(self, prompt: list[int], steps: int = DECODE_TOKENS) -> tuple[float, float]:
         llm = self.llm
         llm.reset()
         t = time.perf_counter()
         llm.eval(prompt)
         prefill = len(prompt) / (time.perf_counter() - t)
         t = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
+        for _ in range(steps):
             llm.eval([int(np.argmax(self._last_logits()))])
-        decode = DECODE_TOKENS / (time.perf_counter() - t)
+        decode = steps / (time.perf_counter() - t)
         return prefill, decode
 
 
@@ -110,8 +119,8 @@ def _side_loop(kind: str, path: str, threads: int, conn) -> None:
     and send back (prefill tok/s, decode tok/s); None ends it."""
     side = SIDES[kind](Path(path), threads)
     conn.send(side.vocab)
-    while (prompt := conn.recv()) is not None:
-        conn.send(side.run(prompt))
+    while (job := conn.recv()) is not None:
+        conn.send(side.run(*job))
 
 
 class SideProcess:
@@ -128,8 +137,8 @@ class SideProcess:
         self._proc.start()
         self.vocab = self._conn.recv()
 
-    def run(self, prompt: list[int]) -> tuple[float, float]:
-        self._conn.send(prompt)
+    def run(self, prompt: list[int], steps: int = DECODE_TOKENS) -> tuple[float, float]:
+        self._conn.send((prompt, steps))
         return self._conn.recv()
 
     def close(self) -> None:
@@ -170,15 +179,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--artifact-dir", type=Path, default=None, help="keep compiled artifacts")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds idle between turns")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    ap.add_argument(
+        "--stat", choices=sorted(STATS), default="median", help="of the rounds, per side"
+    )
     ap.add_argument(
         "--same-process", action="store_true", help="both sides in this process (the old way)"
     )
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     files = _files(args, Path(tmp.name))
-    sides = {}
+    sides, weights = {}, {}
     for name, path in files:
         art = bench_files.compiled(path, args.artifact_dir, args.quant)
+        weights[name] = weight_bytes_per_token(path)
         if args.same_process:
             sides[name] = (TallowSide(art, args.threads), LlamaCppSide(path, args.threads))
         else:
@@ -186,35 +201,58 @@ def main() -> None:
                 SideProcess("tallow", art, args.threads),
                 SideProcess("llama.cpp", path, args.threads),
             )
+    stream = Stream(args.threads)
+    streams = [stream.best()]
     before = bench_files.load_note()
+    print(f"stream {streams[0]:.1f} GB/s; {before}", flush=True)
     results = {(n, s): [] for n in sides for s in ("tallow", "llama.cpp")}
     rng = np.random.default_rng(0)
     for r in range(args.rounds):
         for name, pair in sides.items():
             high = min(20000, pair[0].vocab, pair[1].vocab)
-            prompt = [int(t) for t in rng.integers(100, high, size=PROMPT_TOKENS)]
+            prompt = [int(t) for t in rng.integers(100, high, size=args.prompt_tokens)]
             for side in pair if r % 2 == 0 else reversed(pair):
                 time.sleep(args.settle)
-                prefill, decode = side.run(prompt)
+                prefill, decode = side.run(prompt, args.decode_tokens)
                 results[(name, side.name)].append((prefill, decode))
-                print(f"round {r + 1} {name} {side.name}: prefill {prefill:.1f}, "
-                      f"decode {decode:.1f} tok/s", flush=True)  # fmt: skip
-    print(f"\n{args.threads} threads, greedy, median of {args.rounds} interleaved rounds, "
+                streams.append(stream.best(3))
+                print(f"round {r + 1} {name} {side.name}: prefill {prefill:.1f}, decode "
+                      f"{decode:.2f} tok/s ({decode * weights[name] / 1e9:.1f} GB/s); stream "
+                      f"{streams[-1]:.1f} GB/s; {bench_files.load_note()}", flush=True)  # fmt: skip
+    ceiling = max(streams)
+    print(f"\n{args.threads} threads, greedy, {args.stat} of {args.rounds} interleaved rounds, "
           f"tallow weights: {args.quant or 'as in file'}")  # fmt: skip
     print(f"before: {before}\nafter:  {bench_files.load_note()}")
-    head = f" {'tallow':>10} {'llama.cpp':>10} {'ratio':>8}"
-    print(f"{'':<22} {f'prefill {PROMPT_TOKENS} tok/s':>30} {f'decode {DECODE_TOKENS} tok/s':>30}")
-    print(f"{'file':<22}{head}{head}")
-    for name in sides:
-        ours = [statistics.median(x[i] for x in results[(name, "tallow")]) for i in (0, 1)]
-        theirs = [statistics.median(x[i] for x in results[(name, "llama.cpp")]) for i in (0, 1)]
-        cells = "".join(
-            f" {ours[i]:>10.1f} {theirs[i]:>10.1f} {ours[i] / theirs[i]:>8.2f}" for i in (0, 1)
-        )
-        print(f"{name:<22}{cells}")
+    print(f"stream ({args.threads} threads, numpy, 1 GiB): best {ceiling:.1f} GB/s, "
+          f"lowest {min(streams):.1f}")  # fmt: skip
+    _table(args, sides, results, weights, ceiling)
     for pair in sides.values():
         for side in pair:
             getattr(side, "close", lambda: None)()
+
+
+STATS = {"median": statistics.median, "best": max}
+
+
+def _table(args, sides, results, weights, ceiling: float) -> None:
+    """tok/s per side and their ratio, then decode's weight GB/s and share of the stream."""
+    stat = STATS[args.stat]
+    head = f" {'tallow':>10} {'llama.cpp':>10} {'ratio':>8}"
+    band = f" {'GB/tok':>7} {'tallow GB/s':>12} {'%':>5} {'llama GB/s':>11} {'%':>5}"
+    print(f"{'':<24} {f'prefill {args.prompt_tokens} tok/s':>30} "
+          f"{f'decode {args.decode_tokens} tok/s':>30}")  # fmt: skip
+    print(f"{'file':<24}{head}{head}{band}")
+    for name in sides:
+        ours = [stat(x[i] for x in results[(name, "tallow")]) for i in (0, 1)]
+        theirs = [stat(x[i] for x in results[(name, "llama.cpp")]) for i in (0, 1)]
+        cells = "".join(
+            f" {ours[i]:>10.2f} {theirs[i]:>10.2f} {ours[i] / theirs[i]:>8.2f}" for i in (0, 1)
+        )
+        gb = weights[name] / 1e9
+        rates = [d * gb for d in (ours[1], theirs[1])]
+        cells += f" {gb:>7.2f} {rates[0]:>12.1f} {100 * rates[0] / ceiling:>5.0f}"
+        cells += f" {rates[1]:>11.1f} {100 * rates[1] / ceiling:>5.0f}"
+        print(f"{name:<24}{cells}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Random-weight GGUF files of real model shapes in llama.cpp's Q4_K_M mix, for benchmarks.
 
-    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes]   # default: all shapes
+    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes] [--ftype Q4_K_M Q5_K_M]
+
+With no SHAPE, every shape but the `LARGE` ones (4B and 8B: an 8B file takes a 16 GB f16
+intermediate and 20-40 minutes on two cores); name those to build them.
 
 Speed does not depend on weight values, so a file with the shape, tensor names and quant types
 of a downloaded model stands in for it. Each shape is written as an f16 GGUF (f32 where
 llama.cpp keeps f32: norms and biases) by `gguf.GGUFWriter`, with random normal weights scaled
 by 0.02 so activations stay finite, then requantized by llama.cpp's own `llama_model_quantize`
-to Q4_K_M (llama-cpp-python), so the mix is exactly what llama.cpp chooses. The f16
-intermediate is deleted; a finished `<shape>.q4_k_m.gguf` already in the folder is reused.
+to Q4_K_M or Q5_K_M (`--ftype`, llama-cpp-python), so the mix is exactly what llama.cpp
+chooses. One f16 intermediate serves every `--ftype` and is then deleted; a finished
+`<shape>.<ftype>.gguf` already in the folder is reused.
 
-Tokenizers: the llama and qwen2 shapes carry SmolLM2's gpt2 BPE vocabulary padded with UNUSED
+Tokenizers: the llama, qwen2 and qwen3 shapes carry SmolLM2's gpt2 BPE vocabulary padded with UNUSED
 `[PAD{i}]` tokens up to the model's vocabulary size (llama.cpp and tallow both accept it);
 Gemma 3 copies the real 270M file's metadata, tokenizer and tensor names and shapes.
 """
@@ -48,6 +52,7 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool = False
+    qk_norm: bool = False  # qwen3: per-head RMSNorm scales attn_q_norm / attn_k_norm
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     context: int = 32768
@@ -66,6 +71,16 @@ SHAPES: dict[str, Shape | None] = {
         "llama", 3072, 28, 24, 8, 128, 8192, 128256, tied=True, rope_theta=500000.0,
         context=131072,
     ),
+    # 4B class with Qwen3's q/k norms and a 151,936-token tied head (Qwen3-4B)
+    "qwen3-4b": Shape(
+        "qwen3", 2560, 36, 32, 8, 128, 9728, 151936, tied=True, qk_norm=True, rope_theta=1e6,
+        rms_eps=1e-6, context=40960,
+    ),
+    # 8B: ~4.6 GB of weights in Q4_K_M, read once per decoded token
+    "llama-3.1-8b": Shape(
+        "llama", 4096, 32, 32, 8, 128, 14336, 128256, tied=False, rope_theta=500000.0,
+        context=131072,
+    ),
     "gemma-3-270m": None,  # copied from the real file (GEMMA_FILE)
     # SmolLM2-1.7B's shape and SmolLM2's own vocabulary: the embedded 135M model can draft
     # for it (benchmarks/speculative_decode.py --draft-for)
@@ -75,16 +90,30 @@ SHAPES: dict[str, Shape | None] = {
 }  # fmt: skip
 
 
+LARGE = ("qwen3-4b", "llama-3.1-8b")  # built and benchmarked only when named
+
+
 def _field(reader: gguf.GGUFReader, key: str):
     f = reader.get_field(key)
     return None if f is None else f.contents()
 
 
+_CHUNK = 1 << 24  # values drawn at a time: 64 MiB of f32, whatever the tensor's size
+
+
 def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    x = rng.standard_normal(shape, dtype=np.float32) * 0.02
-    if name.endswith("_norm.weight"):
-        return x + 1.0  # a norm's scale near one keeps every layer's activations in range
-    return x if name.endswith(_F32) else x.astype(np.float16)
+    """N(0, 0.02) weights (norm scales near one), drawn in chunks straight into the output
+    array: an 8B head of 525M values then peaks at its 1 GB of f16, not 3 GB of f32 + f16."""
+    f32 = name.endswith(_F32)
+    out = np.empty(shape, np.float32 if f32 else np.float16)
+    flat = out.reshape(-1)
+    for i in range(0, flat.size, _CHUNK):
+        x = rng.standard_normal(min(_CHUNK, flat.size - i), dtype=np.float32)
+        x *= 0.02
+        if name.endswith("_norm.weight"):
+            x += 1.0  # a norm's scale near one keeps every layer's activations in range
+        flat[i : i + x.size] = x
+    return out
 
 
 Vocabulary = tuple[list[str], list[int], list[str]]  # gpt2 BPE: tokens, token types, merges
@@ -135,6 +164,8 @@ def _dense_tensors(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
             out.append((f"{b}.attn_{part}.weight", (rows, s.hidden)))
             if s.qkv_bias:
                 out.append((f"{b}.attn_{part}.bias", (rows,)))
+        if s.qk_norm:
+            out += [(f"{b}.attn_{p}_norm.weight", (s.head_dim,)) for p in ("q", "k")]
         out += [
             (f"{b}.attn_output.weight", (s.hidden, q)),
             (f"{b}.ffn_norm.weight", (s.hidden,)),
@@ -157,6 +188,10 @@ def _dense_metadata(w: gguf.GGUFWriter, s: Shape, name: str, vocabulary: Vocabul
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_dimension_count(s.head_dim)
+    # a head's width as llama.cpp's converter writes it: Qwen3-4B's 32 heads of 128 are not
+    # hidden / heads (80), and without the key readers take 80 (tallow refused the file)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(s.vocab)
@@ -238,13 +273,25 @@ def type_histogram(path: Path) -> Counter:
     return Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
 
 
-def build(name: str, out: Path) -> Path:
-    """`out/<name>.q4_k_m.gguf`, built unless it is already there."""
+FTYPES = ("Q4_K_M", "Q5_K_M")  # llama.cpp recipes a shape can be requantized to
+
+
+def file_name(name: str, ftype: str = "Q4_K_M") -> str:
+    return f"{name}.{ftype.lower()}.gguf"
+
+
+def build(name: str, out: Path, ftypes: tuple[str, ...] = ("Q4_K_M",)) -> list[Path]:
+    """`out/<name>.<ftype>.gguf` for each of `ftypes`, built unless already there; one f16
+    intermediate (16 GB for the 8B shape) serves every ftype and is deleted after."""
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    dst = out / f"{name}.q4_k_m.gguf"
-    if dst.exists():
-        return dst
+    for ftype in ftypes:
+        if ftype not in FTYPES:
+            raise SystemExit(f"unknown --ftype {ftype!r}; known: {', '.join(FTYPES)}")
+    dsts = [out / file_name(name, f) for f in ftypes]
+    todo = [(f, d) for f, d in zip(ftypes, dsts, strict=True) if not d.exists()]
+    if not todo:
+        return dsts
     out.mkdir(parents=True, exist_ok=True)
     f16 = out / f"{name}.f16.gguf.tmp"
     t = time.perf_counter()
@@ -252,24 +299,25 @@ def build(name: str, out: Path) -> Path:
         write_f16(f16, name)
         print(f"{name}: f16 written ({f16.stat().st_size / 2**20:.0f} MiB) "
               f"in {time.perf_counter() - t:.0f} s", flush=True)  # fmt: skip
-        quantize(f16, dst)
+        for ftype, dst in todo:
+            quantize(f16, dst, ftype)
+            print(f"{name}: {ftype} at {time.perf_counter() - t:.0f} s", flush=True)
     finally:
         f16.unlink(missing_ok=True)
-    print(f"{name}: Q4_K_M in {time.perf_counter() - t:.0f} s", flush=True)
-    return dst
+    return dsts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("shapes", nargs="*", default=list(SHAPES), help=", ".join(SHAPES))
+    default = [s for s in SHAPES if s not in LARGE]
+    ap.add_argument("shapes", nargs="*", default=default, help=", ".join(SHAPES))
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--ftype", nargs="+", default=["Q4_K_M"], type=str.upper, help=" ".join(FTYPES))
     args = ap.parse_args()
-    built = []
     for name in args.shapes:
-        path = build(name, args.out)
-        built.append(path)
-        hist = ", ".join(f"{k} {v}" for k, v in sorted(type_histogram(path).items()))
-        print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB): {hist}", flush=True)
+        for path in build(name, args.out, tuple(args.ftype)):
+            hist = ", ".join(f"{k} {v}" for k, v in sorted(type_histogram(path).items()))
+            print(f"{path} ({path.stat().st_size / 2**20:.0f} MiB): {hist}", flush=True)
         done = sorted(args.out.glob("*.q4_k_m.gguf"))
         if len(done) >= 2:  # other helpers' tools poll for this list
             (args.out / "READY").write_text("".join(f"{p}\n" for p in done))

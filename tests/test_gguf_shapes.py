@@ -95,3 +95,52 @@ def test_tiny_shape_quantized_by_llamacpp_is_the_q4_k_m_mix(tiny_f16, tmp_path):
 
     ours = tokenizer_from_gguf(reader).tokenizer.encode("hello there").ids
     assert llm.tokenize(b"hello there", add_bos=False) == ours
+
+
+# heads x head_dim (4 x 128) is not hidden (256), as in Qwen3-4B (32 x 128 against 2560)
+QWEN3 = gguf_shapes.Shape(
+    "qwen3", 256, 2, 4, 2, 128, 512, 1024, tied=True, qk_norm=True, rope_theta=1e6, rms_eps=1e-6
+)
+
+
+def test_qwen3_shape_carries_q_k_norms_that_tallow_reads(tmp_path):
+    from tallow.compiler.gguf_source import gguf_source
+    from tallow.model_defs.registry import get_architecture
+
+    path = tmp_path / "q3.f16.gguf"
+    gguf_shapes.write_f16(path, "q3", QWEN3, byte_vocabulary())
+    reader = gguf.GGUFReader(path)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    # per layer: 2 norms, q/k/v/o, q and k norms of one head's width, gate/up/down; tied: no head
+    assert len(shapes) == 1 + 2 * 11 + 1 and "output.weight" not in shapes
+    assert shapes["blk.1.attn_q_norm.weight"] == shapes["blk.1.attn_k_norm.weight"] == (128,)
+    assert shapes["blk.0.attn_q.weight"] == (4 * 128, 256)
+    src = gguf_source("q3", path)
+    assert src.config["architectures"] == ["Qwen3ForCausalLM"]
+    cfg = get_architecture(src.config).config_from_hf(src.config)
+    # the head width comes from attention.key_length, not hidden / heads (64)
+    assert cfg.qk_norm and cfg.head_dim == 128
+
+
+def test_ftype_names_and_refusals(tmp_path):
+    sys.path.insert(0, str(Path(gguf_shapes.__file__).parent))
+    import bench_files
+
+    assert gguf_shapes.file_name("llama-3.1-8b", "Q5_K_M") == "llama-3.1-8b.q5_k_m.gguf"
+    assert bench_files.split_ftype("llama-3.1-8b.q5_k_m") == ("llama-3.1-8b", "Q5_K_M")
+    assert bench_files.split_ftype("qwen3-4b") == ("qwen3-4b", "Q4_K_M")
+    assert bench_files.expand(["qwen3-4b.q5_k_m"]) == ["qwen3-4b.q5_k_m"]
+    with pytest.raises(SystemExit, match="unknown --ftype 'Q3_K_S'"):
+        gguf_shapes.build("qwen3-4b", tmp_path, ("Q3_K_S",))
+    with pytest.raises(SystemExit, match="unknown shape 'nope.q5_k_m'"):
+        bench_files.expand(["nope.q5_k_m"])
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_all_leaves_out_the_large_shapes():
+    sys.path.insert(0, str(Path(gguf_shapes.__file__).parent))
+    import bench_files
+
+    every = bench_files.expand(["all"])
+    assert "llama-3.2-1b" in every and not set(gguf_shapes.LARGE) & set(every)
+    assert bench_files.expand(["llama-3.1-8b"]) == ["llama-3.1-8b"]
