@@ -41,3 +41,21 @@ def weight_blocks(x: np.ndarray, qtype: str, seed: int = 0) -> np.ndarray:
     target = np.sqrt(np.mean(x.astype(np.float64) ** 2)) + 1e-30
     set_scale(blocks, qtype, target / rms * rng.uniform(0.5, 1.5, n))
     return blocks.reshape(rows, -1)
+
+
+def tir_dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [n, block_size]: the TE dequantization every fused dequantize-matmul is built
+    from (`quant_ops.dequantize_te`), compiled for the CPU and run on `n` blocks."""
+    import tvm
+    from tvm import te
+
+    from tallow.model_defs.quant_ops import dequantize_te
+
+    fmt = QUANT_FORMATS[qtype]
+    rows, cols = len(blocks), fmt.block_size
+    w = te.placeholder((rows, fmt.type_size), "uint8", name="w")
+    func = te.create_prim_func([w, dequantize_te(w, qtype, rows, cols)])
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.empty((rows, cols), "float32")
+    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(blocks)), out)
+    return out.numpy()

@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from quant_blocks import tir_dequantize
 
 from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
 
@@ -55,20 +56,8 @@ def test_quantizer_is_llama_cpp_byte_for_byte(qtype):
 @pytest.mark.parametrize("qtype", NEW)
 def test_tir_decoder_is_llama_cpp_bit_for_bit(qtype):
     """The TE dequantization every fused dequantize-matmul is built from."""
-    import tvm
-    from tvm import te
-
-    from tallow.model_defs.quant_ops import dequantize_te
-
-    fmt = QUANT_FORMATS[qtype]
     blocks, ref = FIXTURE[f"{qtype}_blocks"], FIXTURE[f"{qtype}_decoded"]
-    rows, cols = len(blocks), fmt.block_size
-    w = te.placeholder((rows, fmt.type_size), "uint8", name="w")
-    func = te.create_prim_func([w, dequantize_te(w, qtype, rows, cols)])
-    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
-    out = tvm.runtime.empty((rows, cols), "float32")
-    lib["main"](tvm.runtime.tensor(blocks), out)
-    np.testing.assert_array_equal(_bits(out.numpy()), _bits(ref))
+    np.testing.assert_array_equal(_bits(tir_dequantize(blocks, qtype)), _bits(ref))
 
 
 def test_fixture_reaches_every_scale():

@@ -270,33 +270,6 @@ CONFIGS = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
-    # Tensor parallelism at 4 workers needs 4 KV heads: the same models with one KV head per
-    # q head (test_tp_families.py).
-    "qwen3_moe_kv4": {
-        **BASE,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 48,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [1],
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
-    },
-    "mistral_kv4": {
-        **BASE,
-        "architectures": ["MistralForCausalLM"],
-        "model_type": "mistral",
-        "num_key_value_heads": 4,
-        "sliding_window": 8,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    },
     # 8 q heads of 64 (o_proj: 512 inputs) and FFN 512: at TP=2 each worker's share of
     # o_proj and down_proj is whole 256-weight K-quant blocks.
     "qwen3_heads8": {
@@ -321,6 +294,10 @@ CONFIGS = {
         "tie_word_embeddings": False,
     },
 }
+# Tensor parallelism at 4 workers needs 4 KV heads: the same models with one KV head per q
+# head (test_tp_families.py, test_tp_moe.py).
+CONFIGS["qwen3_moe_kv4"] = {**CONFIGS["qwen3_moe"], "num_key_value_heads": 4}
+CONFIGS["mistral_kv4"] = {**CONFIGS["mistral_window"], "num_key_value_heads": 4}
 
 
 def make_tokenizer(folder: Path, vocab_size: int) -> None:
