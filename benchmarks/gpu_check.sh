@@ -42,7 +42,8 @@ print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $DEPS)"
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       --platform manylinux_2_17_x86_64 -d "$bundle/wheels" $pins
   mkdir -p "$bundle/deps"
-  cp -r "$site/llguidance" "$bundle/deps/"
+  cp -r "$site/llguidance" "$site"/llguidance-*.dist-info "$bundle/deps/"
+  cp -r "$site/gguf" "$bundle/deps/"  # pure Python: gpu_gemv.py's q4k oracle
   local src; src="$(mktemp -d)"
   "$py" - "$src/qwen3_wide" <<'EOF'
 import sys
@@ -60,25 +61,60 @@ EOF
   local t1=$SECONDS
   "$py" "$here/compile_shape.py" --preset qwen3-8b --target cuda --sm 90 --dtype f16 \
       --quant q4k --artifact --out "$bundle/q8b"
-  echo "Qwen3-8B-shaped q4k library: $((SECONDS - t1)) s; prepare: $((SECONDS - t0)) s"
+  echo "Qwen3-8B-shaped q4k library: $((SECONDS - t1)) s"
+  "$py" "$here/gpu_gemv.py" build "$bundle/gemv"
+  # tallow's NCCL module (pip install 'tallow[cuda]'), built here: the GPU image has NCCL's
+  # library but not TVM's headers. Skipped, with a line, where the wheels are not installed.
+  mkdir -p "$bundle/nccl"
+  "$py" -c 'import shutil, sys; from tallow.runtime import nccl_module
+shutil.copy(nccl_module.build(), sys.argv[1])' "$bundle/nccl/" || echo "no NCCL module"
+  echo "prepare: $((SECONDS - t0)) s"
   du -sh "$bundle"
 }
 
 run() {
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv
+  # Logs go to $OUT (the device tool brings that folder back), else next to the bundle.
+  local out="${OUT:-$bundle/out}"
+  mkdir -p "$out"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  local name gpu
+  name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)"
+  case "$name" in  # the roofline's name for it (runtime/roofline.py)
+    *H200*) gpu=H200 ;; *H100*) gpu=H100 ;; *A100*) gpu=A100 ;; *) gpu="${GPU:-H200}" ;;
+  esac
+  echo "== copy ceiling (the image's PyTorch): device-to-device, bytes read + written"
+  timeout 90 python3 "$here/gpu_copy_ceiling.py" 2>&1 | tee "$out/copy.log" || true
+  # libtvm_runtime_cuda.so links libcudart.so.13, the NCCL module libnccl.so.2: the image
+  # has both (CUDA toolkit, PyTorch's wheels), at paths the build machine cannot know.
+  local dirs="" lib found
+  for lib in libcudart.so.13 libnccl.so.2; do
+    found="$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1 || true)"
+    [ -n "$found" ] && dirs="$dirs:$(dirname "$found")"
+  done
+  export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   deps="$(mktemp -d)"
   python3 -m pip install -q --no-deps --target "$deps" "$bundle"/wheels/*.whl
   mkdir -p "$deps/tallow"  # the working tree's runtime, as an installed tallow maps it
   ln -s "$root/runtime" "$deps/tallow/runtime"
-  export PYTHONPATH="$bundle:$deps:$bundle/deps" TVM_USE_RUNTIME_LIB=1
+  export PYTHONPATH="$bundle:$deps:$bundle/deps" TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1
   check="$here/gpu_check_run.py"
-  echo "== parity: small q4k model, CUDA (f16, sm_90) vs CPU (f32), same weights"
-  python3 "$check" parity "$bundle/small-cuda" "$bundle/small-cpu" || true
-  echo "== Qwen3-8B shape, q4k, f16: random weights, then TVMModelRunner"
-  python3 "$check" fill "$bundle/q8b"
-  python3 "$check" speed "$bundle/q8b" --gpu H200
-  echo "== the engine: 64 requests at once"
-  python3 "$check" engine "$bundle/q8b"
+  step() {  # name, time limit (s), command...: one step's failure does not stop the next
+    local label="$1" limit="$2"
+    shift 2
+    echo "== $label" | tee -a "$out/check.log"
+    timeout "$limit" "$@" > >(tee -a "$out/check.log") 2>&1 || echo "== $label: exit $?"
+  }
+  step parity 120 python3 "$check" parity "$bundle/small-cuda" "$bundle/small-cpu"
+  step gemv 150 python3 "$here/gpu_gemv.py" run "$bundle/gemv"
+  # q8b, and any other 8B-shaped build beside it (q8b-before: a schedule to compare with)
+  local art
+  for art in "$bundle"/q8b*; do
+    step "fill-${art##*/}" 120 python3 "$check" fill "$art"
+    step "speed-${art##*/}" 200 python3 "$check" speed "$art" --gpu "$gpu"
+  done
+  step profile 150 python3 "$check" profile "$bundle/q8b" --out "$out"
+  step engine 120 python3 "$check" engine "$bundle/q8b"
+  step nccl 60 python3 "$check" nccl "$bundle/nccl/libtallow_disco_nccl.so"
 }
 
 case "${1:-}" in

@@ -18,11 +18,12 @@ one is never rebuilt. The file is written under a temporary name and renamed int
 failed build leaves nothing a later load could pick up. The library carries the folders of the
 libraries it links as RUNPATH, so loading it needs no LD_LIBRARY_PATH.
 
-It has never run on a GPU: this machine has none (docs/tensor-parallel.md).
+On a GPU it has only been loaded, on one H100 (docs/tensor-parallel.md): no collective has run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -229,9 +230,24 @@ def load(path: Path | None = None) -> Path:
         raise NcclModuleError(
             f"CUDA tensor parallelism needs tallow's NCCL module, which is not built: {SETUP_HINT}"
         )
+    _load_cuda_device_api()
     try:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
         raise NcclModuleError(f"cannot load the NCCL module {path}: {e}") from e
     _loaded = path
     return path
+
+
+def _load_cuda_device_api() -> None:
+    """TVM's CUDA device API, through which Disco allocates the workers' tensors: runtime-only
+    TVM keeps it in `libtvm_runtime_cuda.so`, which the one-GPU runner loads (devices.py) and
+    Disco does not. Without it the first worker allocation aborted the process (an H100,
+    2026-12-06). On a machine without a driver it cannot load; `init_ccl` then says so."""
+    import tvm
+
+    from .devices import device_kind
+    from .errors import ArtifactError
+
+    with contextlib.suppress(ArtifactError):
+        device_kind("cuda").load_driver(tvm, "NCCL tensor parallelism")

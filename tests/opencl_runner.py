@@ -116,6 +116,7 @@ class OpenCLKernels:
         )
         source = _HALF_TO_FLOAT.sub(_VLOAD_HALF, source)
         for name in set(_HALF_PARAM.findall(source)):
+            source = _half_local_copies(source, name)
             source = _half_vector_loads(source, name)
             source = _half_loads(source, name)
         if re.search(r"\bhalf\d*\b(?! \*\)\(&)", _HALF_PARAM.sub("", source)):
@@ -216,6 +217,29 @@ def _half_vector_loads(source: str, name: str) -> str:
         load = f"{var} = vload{lanes}(0, {name} + "
         source = source.replace(load, load.replace("vload", "vload_half"))
         source = re.sub(rf"{var} = {zero};", f"{var} = (float{lanes})(0.0f);", source)
+    return source
+
+
+def _half_local_copies(source: str, name: str) -> str:
+    """`QuantDecodeGEMV(vector_x=True)` copies a lane's f16 activations into a register array
+    (`half v[8]; vstore4(vload4(0, name + i), 0, v + 4);`) and reads it only converted,
+    `convert_float(v[j])`: such an array becomes `float v[8]` filled by `vload_half4` (core
+    OpenCL; the same floats). An array used in any other way is left for `_portable` to
+    refuse."""
+    copies = re.compile(rf"vstore(\d+)\(vload\1\(0, {name} \+ ([^;]*?)\), 0, (\w+) \+ \d+\);")
+    for lanes, _, var in set(copies.findall(source)):
+        uses = len(re.findall(rf"\b{var}\b", source))
+        converted = len(re.findall(rf"convert_float\({var}\[", source))
+        stores = len(re.findall(rf", 0, {var} \+ \d+\);", source))
+        declared = len(re.findall(rf"half {var}\[\d+\];", source))
+        if uses != converted + stores + declared:
+            continue
+        source = re.sub(rf"half {var}\[(\d+)\];", rf"float {var}[\1];", source)
+        source = re.sub(
+            rf"vstore{lanes}\(vload{lanes}\(0, {name} \+ ([^;]*?)\), 0, {var} \+ (\d+)\);",
+            rf"vstore{lanes}(vload_half{lanes}(0, {name} + \1), 0, {var} + \2);",
+            source,
+        )
     return source
 
 

@@ -116,6 +116,32 @@ def test_loading_registers_the_disco_functions_and_init_without_a_gpu_is_an_exce
     assert lines["refused"].startswith("RuntimeError NCCL tensor parallelism needs CUDA GPUs")
 
 
+def test_loading_the_module_loads_tvms_cuda_device_api(nccl_cache):
+    """Disco allocates each worker's tensors through TVM's CUDA device API, which runtime-only
+    TVM keeps in `libtvm_runtime_cuda.so`; on an H100 the module loaded without it and the
+    first allocation after `init_ccl` aborted the process. With a driver present (here the
+    build-time stand-in for `libcuda.so.1`), loading the module loads the device API too."""
+    from tallow.compiler.cuda_build import _build_stub
+
+    cache, _ = nccl_cache
+    proc = _run(
+        f"""
+        import ctypes, os
+        os.environ["TVM_USE_RUNTIME_LIB"] = "1"  # as `tallow serve` runs: no CUDA loaded
+        ctypes.CDLL({str(_build_stub())!r}, mode=ctypes.RTLD_GLOBAL)
+        from tallow.runtime.disco_runtime import disco, preload
+        preload()
+        import tvm
+        print("before", tvm.get_global_func("device_api.cuda", allow_missing=True) is not None)
+        disco(ccl="nccl")
+        print("after", tvm.get_global_func("device_api.cuda", allow_missing=True) is not None)
+        """,
+        cache,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["before", "False", "after", "True"]
+
+
 def test_an_absent_module_is_refused_in_one_line_naming_the_command(tmp_path):
     proc = _run(
         """

@@ -158,6 +158,12 @@ void InitCCL(Session session, Shape device_ids) {
                                 << "none usable: "
                                 << (err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
   }
+  // Disco allocates each worker's tensors through TVM's CUDA device API; runtime-only TVM
+  // keeps it in libtvm_runtime_cuda.so. Missing, the first allocation on a worker thread would
+  // abort the process (seen on an H100): say so here, where it is a Python exception.
+  TVM_FFI_CHECK(tvm::ffi::Function::GetGlobal("device_api.cuda").has_value(), RuntimeError)
+      << "TVM's CUDA device API is not loaded (libtvm_runtime_cuda.so): load it before "
+      << "init_ccl (tallow's nccl_module.load does)";
   for (int64_t id : device_ids) {
     TVM_FFI_CHECK(id >= 0 && id < count, ValueError)
         << "CUDA device " << id << " does not exist: this machine has " << count << " GPU(s)";

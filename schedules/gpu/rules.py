@@ -95,7 +95,7 @@ def _rules(decode: bool):
 
     matmul = [("QuantPrefillMatmul", QuantPrefillMatmul()), ("Matmul", dl.gpu.Matmul())]
     gemv = [
-        ("QuantDecodeGEMV", QuantDecodeGEMV()),
+        ("QuantDecodeGEMV", QuantDecodeGEMV(unroll=None, vector_x=True)),
         ("LowBatchGEMV", dl.gpu.LowBatchGEMV()),
         ("GEMV", dl.gpu.GEMV()),
     ]
