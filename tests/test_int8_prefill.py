@@ -140,11 +140,13 @@ def test_pass_replaces_prefill_kernels_only(vnni, block):
     }
 
 
-def test_avx2_pass_leaves_q8_0_to_the_float_tiles():
-    """q8_0's signed codes have no AVX2 column tiles: its prefill keeps the float schedule,
-    and a module with nothing replaced reports float activations."""
+def test_avx2_pass_leaves_the_lattice_formats_to_the_float_tiles():
+    """The lattice i-quants decode through a constant table, a fourth kernel input the column
+    tiles do not take: their prefill keeps the float schedule, and a module with nothing
+    replaced reports float activations. (The signed formats, q8_0 and the 4-bit i-quants,
+    take the column tiles through the sign trick: `test_avx2_prefill_matches_numpy`.)"""
     k, n = 256, 32
-    mod, _ = _Projections(k, n, "q8_0").export_tvm(
+    mod, _ = _Projections(k, n, "iq3_s").export_tvm(
         {"prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")}}
     )
     report = BuildReport()

@@ -232,10 +232,13 @@ def _rounding_linear(nudge: float = 0.0):
     return patched()
 
 
-def _oracle_steps(hf, prompts, steps: int, round_decode: bool, nudge: float = 0.0):
-    """transformers' last-position logits: the prompts' prefill in float, then `steps`
-    decode steps through its KV cache, each feeding the previous argmax; with
-    `round_decode` the decode steps' linear inputs are rounded as our int8 kernels do."""
+def _oracle_steps(
+    hf, prompts, steps: int, round_decode: bool, nudge: float = 0.0, round_prefill: bool = False
+):
+    """transformers' last-position logits: the prompts' prefill, then `steps` decode steps
+    through its KV cache, each feeding the previous argmax; with `round_decode` (and
+    `round_prefill`) the decode steps' (the prefill's) linear inputs are rounded as our int8
+    kernels do."""
     import contextlib
 
     import torch
@@ -243,7 +246,8 @@ def _oracle_steps(hf, prompts, steps: int, round_decode: bool, nudge: float = 0.
     out, caches, tokens = [], [], []
     with torch.no_grad():
         for p in prompts:
-            r = hf(torch.tensor([p]), use_cache=True)
+            with _rounding_linear(nudge) if round_prefill else contextlib.nullcontext():
+                r = hf(torch.tensor([p]), use_cache=True)
             caches.append(r.past_key_values)
             out.append([r.logits[0, -1].numpy()])
         for _ in range(steps):
@@ -266,14 +270,15 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
 
     `float`: built for x86-64-v2 (no AVX2: float activations in decode too): to float32
     rounding throughout (measured 1.3e-6 to 3.9e-6 of the largest logit). `int8`: the AVX2
-    level, whose decode matmuls round activations to int8 (`cpu.int8_ops`); the oracle rounds
-    the inputs of its decode steps' linears by the same rule. An input within float32 noise
-    of a rounding boundary can take the next code on one side only, so the decode steps'
-    tolerance is what nudging the oracle's inputs by 1e-5 of their group's largest value
-    moves its own logits (`test_models_moe`'s measure). Measured (2026-12-05, logits up to
-    13): errors 0.25, 0.12, 0.013 within a spread of 0.36; against the oracle without the
-    rounding 0.28, 0.61, 0.62. The same model with every matrix iq4_nl, or every one iq4_xs,
-    met the rounding oracle to 4e-7 of the largest logit (no code flipped)."""
+    level, whose decode and (since the column tiles' sign trick) prefill matmuls round
+    activations to int8 (`cpu.int8_ops`); the oracle rounds the inputs of its linears by the
+    same rule. An input within float32 noise of a rounding boundary can take the next code
+    on one side only, so each step's tolerance is what nudging the oracle's inputs by 1e-5
+    of their group's largest value moves its own logits (`test_models_moe`'s measure).
+    Measured (2026-12-05, decode only then, logits up to 13): errors 0.25, 0.12, 0.013
+    within a spread of 0.36; against the oracle without the rounding 0.28, 0.61, 0.62. The
+    same model with every matrix iq4_nl, or every one iq4_xs, met the rounding oracle to 4e-7
+    of the largest logit (no code flipped)."""
     import yaml
     from gguf_models import write_gguf
 
@@ -284,8 +289,8 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
 
     from tiny_models import load_hf
 
-    # int8: the AVX2 level (int8 decode; the i-quants' prefill keeps float activations on
-    # AVX2, where their signed codes have no column tiles), where this CPU can run it
+    # int8: the AVX2 level (int8 decode, and int8 prefill through the column tiles' sign
+    # trick), where this CPU can run it
     avx2 = int8_gemv.supported(resolve_target("cpu", "f32").tvm())
     levels = ["x86-64-v2"] if activations == "float" else (["x86-64-v3"] if avx2 else None)
     src = tiny_model_dir("qwen2_wide")
@@ -302,18 +307,19 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
     assert set(stored.values()) == {"iq4_nl", "iq4_xs", "none"}
     (library,) = manifest["libraries"]
     int8 = library["details"].get("decode_activations") == "int8_g32_row_step"
+    int8_prefill = library["details"].get("prefill_activations") == "int8_g32_row_step"
     if activations == "int8" and not int8:
         assert not avx2
         pytest.skip("this CPU has no AVX2: decode keeps float activations")
-    assert int8 == (activations == "int8")
+    assert int8 == (activations == "int8") == int8_prefill
 
     hf = load_hf(_dequantized_twin(src, path, tmp_path / "twin"))
-    refs, tokens = _oracle_steps(hf, PROMPTS, 3, round_decode=int8)
-    spread = 0.0
+    refs, tokens = _oracle_steps(hf, PROMPTS, 3, int8, round_prefill=int8_prefill)
+    spreads = [0.0] * len(refs)
     if int8:
-        nudged, same = _oracle_steps(hf, PROMPTS, 3, True, nudge=ROUNDING_NUDGE)
+        nudged, same = _oracle_steps(hf, PROMPTS, 3, True, ROUNDING_NUDGE, int8_prefill)
         assert same == tokens  # the oracle's own choices do not hang on the rounding
-        spread = max(float(np.abs(a - b).max()) for a, b in zip(nudged, refs, strict=True))
+        spreads = [float(np.abs(a - b).max()) for a, b in zip(nudged, refs, strict=True)]
     runner = TVMModelRunner(art, kv=KVCacheConfig(4, 512, 64))
     for i in range(len(PROMPTS)):
         runner.add_sequence(i)
@@ -323,7 +329,7 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
         got.append(runner.forward([(i, [t]) for i, t in feed]))
     for step, (g, r) in enumerate(zip(got, refs, strict=True)):
         scale = float(np.abs(r).max())
-        bound = 1e-4 * scale if step == 0 or not int8 else 1e-5 * scale + spread
+        bound = 1e-5 * scale + spreads[step] if int8 else 1e-4 * scale
         assert np.abs(g - r).max() <= bound, (step, float(np.abs(g - r).max()), bound)
 
 

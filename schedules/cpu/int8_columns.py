@@ -57,12 +57,19 @@ ROWS = 16  # sequences per tile: the transposed codes are reused this many times
 INT16_MAX = 32767
 
 
+def code_bound(qtype: str) -> int:
+    """The largest code magnitude `pmaddubsw` sees: `max_code` for unsigned codes, 127 for
+    signed ones (the sign trick multiplies |code| with the activation given the code's sign)."""
+    codes = codes_of(qtype)
+    return 127 if codes.signed else codes.max_code
+
+
 def flush_steps(qtype: str) -> int:
     """Steps whose int16 pair sums can be added before `pmaddwd` widens them to int32.
 
     One step's lane is two products, code * activation, with |activation| <= 127.
     """
-    steps = INT16_MAX // (2 * 127 * codes_of(qtype).max_code)
+    steps = INT16_MAX // (2 * 127 * code_bound(qtype))
     return max(s for s in (1, 2, 4, 8) if s <= steps)
 
 
@@ -74,7 +81,7 @@ def multiplier_in_int32(qtype: str) -> bool:
     it (`pmaddwd` by ones) and multiply it in float.
     """
     weights = LANES // offset_halves(qtype)
-    return M_MAX * weights * codes_of(qtype).max_code * 127 < 2**31
+    return M_MAX * weights * code_bound(qtype) * 127 < 2**31
 
 
 def _c(i: int):
@@ -173,13 +180,16 @@ def scales_macro(qtype: str, cols: int):
     each row's."""
     halves = offset_halves(qtype)
     leading_scale = codes_of(qtype).leading_scale is not None
+    # signed codes are multiplied as they are (the sign trick): no shift, no offset
+    signed = codes_of(qtype).signed
+    zero = tirx.Broadcast(tirx.const(0.0, "float32"), cols)
 
     @T.macro
     def store(sc, w, n0, g):
         if leading_scale:
             sv = T.meta_var(legacy_scales(w, n0, g, qtype, cols))
             sc[T.Ramp(0, 1, cols)] = sv[0]
-            sc[T.Ramp(2 * cols, 1, cols)] = sv[1]
+            sc[T.Ramp(2 * cols, 1, cols)] = zero if signed else sv[1]
         else:
             for c in T.unroll(cols):
                 sc[c] = group(w, qtype, n0 + c, g).scale_lo
@@ -189,6 +199,14 @@ def scales_macro(qtype: str, cols: int):
                     sc[3 * cols + c] = group(w, qtype, n0 + c, g).offset_hi
 
     return store
+
+
+def magnitude32(words):
+    """|code| of the 32 signed int8 codes in `words` (int32x8), as int32x8."""
+    codes = tirx.reinterpret("int8x32", words)
+    return tirx.reinterpret(
+        "int32x8", T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", codes, codes)
+    )
 
 
 def _pmaddubsw(codes, x):
@@ -207,6 +225,7 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
     than decode, to share each group's transpose among them.
     """
     halves = offset_halves(qtype)
+    signed = codes_of(qtype).signed
     half_steps = STEPS // 2 if halves == 2 else STEPS  # steps under one scale
     flush = min(flush_steps(qtype), half_steps)
     in_int32 = multiplier_in_int32(qtype)
@@ -231,8 +250,14 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
         return tirx.reinterpret("int8x32", tirx.Broadcast(word, COLS))
 
     def product(ct, s, x):
-        """16 int16: per column, the two pair sums of step `s`."""
-        return _pmaddubsw(tirx.reinterpret("uint8x32", ct.vload([s * COLS], "int32x8")), x)
+        """16 int16: per column, the two pair sums of step `s`. Signed codes: `ct` holds
+        |code| at steps 0..STEPS-1 and the codes themselves after, whose signs move onto the
+        activations (`psignb`), so the unsigned side stays |code| <= 127."""
+        codes = tirx.reinterpret("uint8x32", ct.vload([s * COLS], "int32x8"))
+        if signed:
+            sign = tirx.reinterpret("int8x32", ct.vload([(STEPS + s) * COLS], "int32x8"))
+            x = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x, sign)
+        return _pmaddubsw(codes, x)
 
     def half_sum(ct, xq, m, row, g, h):
         """int32 per column: the products of the steps under scale `h`, times `m`."""
@@ -272,7 +297,8 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
         # stack arrays (not "local", see int8_ops.quantize_macro)
         acc = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
         off = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
-        ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
+        # transposed codes (signed: |code|, then the codes for their signs)
+        ct = T.sblock_alloc_buffer(((2 if signed else 1) * STEPS * COLS,), "int32")
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
         for i in T.unroll(max_rows):
             acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
@@ -287,14 +313,32 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
                 if nibbles
                 else transpose([codes32(w, n0 + c, g) for c in range(COLS)])
             )
-            ct[T.Ramp(0, 1, 8)] = tr[0]
-            ct[T.Ramp(8, 1, 8)] = tr[1]
-            ct[T.Ramp(16, 1, 8)] = tr[2]
-            ct[T.Ramp(24, 1, 8)] = tr[3]
-            ct[T.Ramp(32, 1, 8)] = tr[4]
-            ct[T.Ramp(40, 1, 8)] = tr[5]
-            ct[T.Ramp(48, 1, 8)] = tr[6]
-            ct[T.Ramp(56, 1, 8)] = tr[7]
+            if signed:
+                ct[T.Ramp(64, 1, 8)] = tr[0]
+                ct[T.Ramp(72, 1, 8)] = tr[1]
+                ct[T.Ramp(80, 1, 8)] = tr[2]
+                ct[T.Ramp(88, 1, 8)] = tr[3]
+                ct[T.Ramp(96, 1, 8)] = tr[4]
+                ct[T.Ramp(104, 1, 8)] = tr[5]
+                ct[T.Ramp(112, 1, 8)] = tr[6]
+                ct[T.Ramp(120, 1, 8)] = tr[7]
+                ct[T.Ramp(0, 1, 8)] = magnitude32(tr[0])
+                ct[T.Ramp(8, 1, 8)] = magnitude32(tr[1])
+                ct[T.Ramp(16, 1, 8)] = magnitude32(tr[2])
+                ct[T.Ramp(24, 1, 8)] = magnitude32(tr[3])
+                ct[T.Ramp(32, 1, 8)] = magnitude32(tr[4])
+                ct[T.Ramp(40, 1, 8)] = magnitude32(tr[5])
+                ct[T.Ramp(48, 1, 8)] = magnitude32(tr[6])
+                ct[T.Ramp(56, 1, 8)] = magnitude32(tr[7])
+            else:
+                ct[T.Ramp(0, 1, 8)] = tr[0]
+                ct[T.Ramp(8, 1, 8)] = tr[1]
+                ct[T.Ramp(16, 1, 8)] = tr[2]
+                ct[T.Ramp(24, 1, 8)] = tr[3]
+                ct[T.Ramp(32, 1, 8)] = tr[4]
+                ct[T.Ramp(40, 1, 8)] = tr[5]
+                ct[T.Ramp(48, 1, 8)] = tr[6]
+                ct[T.Ramp(56, 1, 8)] = tr[7]
             store_scales(sc, w, n0, g)
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))

@@ -10,7 +10,8 @@ hold no whole 256-weight block takes q4_0, as llama.cpp's `quantize` does; MXFP4
 block has no smaller fallback.
 
 Int8 kernels: mxfp4 (the doubled E2M1 values as signed codes, one `vpshufb`, as the
-i-quants') takes the row tiles (signed codes: no column tiles); tq1_0 and tq2_0 have none
+i-quants') takes the row tiles in decode (signed codes: no column tiles there; prefill takes
+them through a sign trick, `int8_prefill_columns`); tq1_0 and tq2_0 have none
 (`int8_groups` says why) and run the float fused dequantize-matmul. Measured (2048 x 2048
 decode matmul, one row, 1 thread, 2-core Zen 3): mxfp4's int8 row kernel 0.22 ms (q4_0's
 0.18; `benchmarks/decode_matmul.py`); float fused kernel (CPU time, weights in cache)
