@@ -14,8 +14,10 @@
 #                 `tallow compile` for sm_90 (f16) and for the CPU (f32): whole artifacts
 #   q8b/          a Qwen3-8B-shaped uniform-q4k f16 artifact for sm_90 without its weights
 #                 (compile_shape.py --artifact); `gpu_check_run.py fill` writes random ones
+#   gemv/         gpu_gemv.py's q4k decode-matmul kernels (sm_90), schedule against schedule
+#   nccl/         tallow's NCCL module, built here (pip install 'tallow[cuda]'), run on one rank
 # The tallow sources travel with the working tree; `run` imports them from there.
-# prepare: about 8 minutes on 2 shared cores (docs/gpu-artifacts.md#the-gpu-check), 36 MiB.
+# prepare: about 4 minutes on 2 quiet cores (docs/gpu-artifacts.md#the-gpu-check), 42 MiB.
 # Carry it with: run(carry=["benchmarks/gpu_bundle"], command="benchmarks/gpu_check.sh run")
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

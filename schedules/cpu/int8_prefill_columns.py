@@ -24,7 +24,7 @@ it, one `pmaddubsw` per 4 weights, 8 columns and row.
 
 Which formats: those whose codes are unsigned with a known `max_code` (the column tiles sum
 `pmaddubsw` pairs in int16 and size those sums by it): q4_0, q4_1, q5_0, q5_1 and every
-K-quant; and the signed ones (q8_0, iq4_nl, iq4_xs, mxfp4, nvfp4, q1_0) through the sign
+K-quant; and the signed ones (q8_0, iq4_nl, iq4_xs, mxfp4, nvfp4) through the sign
 trick: the tile keeps |code| and the codes, and `psignb` moves each code's sign onto the
 broadcast activations (one instruction per step and row more; made unsigned, `code + 128`
 would overflow the int16 pairs). Their pairs reach 2 x 127 x 127, so each step is widened
