@@ -173,15 +173,18 @@ def legacy_scales(w, n0, g, qtype: str, cols: int):
     return d, d * tirx.Broadcast(tirx.const(shift, "float32"), cols)
 
 
-def scales_macro(qtype: str, cols: int):
+def scales_macro(qtype: str, cols: int, sign_trick: bool = False):
     """A macro storing group `g`'s scales and offsets for rows `n0..n0+cols-1` into `sc`:
     [scales lo | scales hi | offsets lo | offsets hi], `cols` each (the hi ones only for the
     formats whose halves differ). Legacy formats read them as vectors; the K-quants decode
-    each row's."""
+    each row's.
+
+    `sign_trick`: the caller multiplies signed codes as they are (these AVX2 tiles), so
+    their offset is zero; the VNNI tiles flip them to `code + 128` and keep the `-128 * d`
+    offset `legacy_scales` gives."""
     halves = offset_halves(qtype)
     leading_scale = codes_of(qtype).leading_scale is not None
-    # signed codes are multiplied as they are (the sign trick): no shift, no offset
-    signed = codes_of(qtype).signed
+    signed = sign_trick and codes_of(qtype).signed
     zero = tirx.Broadcast(tirx.const(0.0, "float32"), cols)
 
     @T.macro
@@ -234,7 +237,7 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
     nibble_codes_at = codes_of(qtype).nibble_codes_at
     # (the 5-bit formats' nibbles need their fifth bits: those decode each column)
     nibbles = nibble_codes_at is not None and codes_of(qtype).fifth_bits_at is None
-    store_scales = scales_macro(qtype, COLS)
+    store_scales = scales_macro(qtype, COLS, sign_trick=True)
 
     def prefetch_group(w, n, g):
         """Prefetch about where group `g` of row `n` sits (the row clamped to the last one)."""
