@@ -153,6 +153,8 @@ def test_gemv_matches_numpy(qtype):
         ("q3k", 512),  # a K-quant without vector block scales: scales per pair
         ("q4k", 512),  # nibble pairs from one load; two super-blocks' scales at once
         ("q6k", 768),  # halves with their own scales; an odd count of super-blocks
+        ("iq4_xs", 768),  # table nibbles (`int8_vnni_table`): an odd count of super-blocks
+        ("iq4_xs", 1024),  # two super-blocks' scales at once
     ],
 )
 def test_vnni_row_kernel_matches_numpy(qtype, k):

@@ -22,7 +22,14 @@ from test_int8_decode import TARGET, _activations, _build, _check, _oracle, _wei
 from tvm import tirx
 
 from tallow.compiler.quant import QUANT_FORMATS
-from tallow.schedules.cpu import int8_gemv, int8_vnni, int8_vnni_legacy, int8_vnni_row
+from tallow.compiler.quant.iquants.int8_groups import table_codes
+from tallow.schedules.cpu import (
+    int8_gemv,
+    int8_vnni,
+    int8_vnni_legacy,
+    int8_vnni_row,
+    int8_vnni_table,
+)
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
 # the formats with int8-activation kernels (the TQ types have none: float kernels) beyond
@@ -44,10 +51,24 @@ def _vpdpbusd_in_plain_tir(acc, codes, x):
     return acc + parts[0] + parts[1] + parts[2] + parts[3]
 
 
+def _lookup_on_avx2(table, indices):
+    """`int8_vnni_table._lookup` (a 512-bit `vpshufb`) as two 256-bit ones."""
+    halves = [
+        table_codes(
+            tirx.Shuffle([indices], [tirx.const(h * 32 + i, "int32") for i in range(32)]), table
+        )
+        for h in range(2)
+    ]
+    return tirx.reinterpret(
+        "uint8x64", tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(64)])
+    )
+
+
 @pytest.fixture
 def emulated(monkeypatch):
-    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row):  # each holds its own name
-        monkeypatch.setattr(module, "_vpdpbusd", _vpdpbusd_in_plain_tir)
+    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row, int8_vnni_table):
+        monkeypatch.setattr(module, "_vpdpbusd", _vpdpbusd_in_plain_tir)  # each holds its own
+    monkeypatch.setattr(int8_vnni_table, "_lookup", _lookup_on_avx2)
 
 
 def _k(qtype: str, legacy: int, blocks: int) -> int:

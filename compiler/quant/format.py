@@ -49,6 +49,19 @@ class LeadingScale:
 
 
 @dataclass(frozen=True)
+class TableNibbles:
+    """A super-block format whose codes are 4-bit indices into a 16-value int8 table (iq4_xs):
+    16 bytes per 32-weight group from `codes_at`, byte t holding weight t (low nibble) and
+    t + 16 (high). `group_scales(*rows)` gives each group's scale (table units to weights)
+    as a float32 vector, one lane per group, the blocks of `rows` one after another. The
+    VNNI row kernel (`schedules.cpu.int8_vnni_table`) reads a block with 64-byte loads."""
+
+    table: Any  # the 16 int8 values, a numpy array
+    codes_at: int
+    group_scales: Callable
+
+
+@dataclass(frozen=True)
 class Int8Codes:
     """How the CPU int8-activation decode kernels (`schedules.cpu.int8_*`) read a format.
 
@@ -83,6 +96,7 @@ class Int8Codes:
     # weights, 64 bytes of nibbles: groups j and j + 2 in bytes 32j.., and 32 bytes of top
     # bits: bits 2j, 2j + 1 for group j); the VNNI tiles transpose 3 runs per 4 groups
     six_bit_at: tuple[int, int] | None = None
+    table_nibbles: TableNibbles | None = None
 
 
 @dataclass(frozen=True)

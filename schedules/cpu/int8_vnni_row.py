@@ -58,12 +58,13 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
-from . import int8_vnni_legacy
+from . import int8_vnni_legacy, int8_vnni_table
 from .int8_codes import LANES, Row, codes_of, group
 from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
 from .int8_vnni import COLS, _vpdpbusd
 
 PAIR = 2 * LANES  # weights per vpdpbusd: two groups
+HALF = LANES // 2  # activations reordered together
 AHEAD = 16384  # bytes
 # Each parallel task takes its rows from this many regions of the weight, a row from each in
 # turn: more concurrent streams per core for the prefetchers (see the module doc).
@@ -108,17 +109,25 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
     padded = -(-slots // int8_vnni_legacy.CHUNK) * int8_vnni_legacy.CHUNK  # vector tail reads
     nibble_pairs = codes_of(qtype).nibble_pairs_at is not None and fmt.block_size % 256 == 0
 
-    def source_group(g):
-        """The group whose activations go to slot `g` of `xp`: q4k's pairs are groups 4i, 4i+2
-        and 4i+1, 4i+3 of each block (the low and the high nibbles of one 64-byte load)."""
+    table = int8_vnni_table.applies(qtype)
+
+    def source_chunk(c):
+        """The 16 activations (of `xq`) that go to chunk `c` of `xp`: q4k's pairs are groups
+        4i, 4i+2 and 4i+1, 4i+3 of each block (the low and the high nibbles of one 64-byte
+        load); the table formats' order is `int8_vnni_table.source_chunk`'s."""
+        if table:
+            return int8_vnni_table.source_chunk(c)
         if not nibble_pairs:
-            return g
-        return g // 4 * 4 + g % 2 * 2 + g // 2 % 2
+            return c
+        g = c // 2
+        return (g // 4 * 4 + g % 2 * 2 + g // 2 % 2) * 2 + c % 2
 
     streams = STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
     # the K-quants' loop prefetches as it goes; the others ask for a row's lines up front
     row_lines = 0
-    if int8_vnni_legacy.applies(qtype):
+    if table:
+        dot_row = int8_vnni_table.dot_macro(qtype, groups, ahead)
+    elif int8_vnni_legacy.applies(qtype):
         dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
         row_lines = -(-rb // 64) if ahead else 0
     elif codes_of(qtype).block_scales is not None and fmt.block_size % PAIR == 0:
@@ -144,9 +153,9 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
             T.reads(x[0, 0, 0:k])
             T.writes(xq[0, 0:k], xp[0, 0:k], xm[0, :], xr[0], xs[:, 0], sums[:], xmf[:])
             quantize(x, 0, xq, xm, xr, xs)
-            for g in range(groups):
-                src: T.let[T.int32] = source_group(g)
-                xp[0, T.Ramp(g * LANES, 1, LANES)] = xq[0, T.Ramp(src * LANES, 1, LANES)]
+            for c in range(k // HALF):
+                src: T.let[T.int32] = source_chunk(c)
+                xp[0, T.Ramp(c * HALF, 1, HALF)] = xq[0, T.Ramp(src * HALF, 1, HALF)]
             for i in range(slots):
                 sums[i] = xs[i, 0]
                 xmf[i] = T.Cast("float32", xm[0, i // halves * MULT_LANES])

@@ -18,7 +18,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as GGML
 
 from .. import kquants  # noqa: F401 - the older families first: they list before ours
-from ..format import Int8Codes, Lazy, LeadingScale, QuantFormat
+from ..format import Int8Codes, Lazy, LeadingScale, QuantFormat, TableNibbles
 from ..registry import register_format
 from . import numpy_codec as codec
 
@@ -42,6 +42,13 @@ def _iquant(name, ggml_type, block_size, type_size, fallback, **int8) -> QuantFo
 
 for _fmt in (
     _iquant("iq4_nl", GGML.IQ4_NL, 32, 18, None, leading_scale=LeadingScale(-128.0)),
-    _iquant("iq4_xs", GGML.IQ4_XS, 256, 136, "iq4_nl"),
+    _iquant(
+        "iq4_xs",
+        GGML.IQ4_XS,
+        256,
+        136,
+        "iq4_nl",
+        table_nibbles=TableNibbles(codec.TABLE, 8, Lazy(_INT8, "iq4_xs_group_scales")),
+    ),
 ):
     register_format(_fmt)

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from tallow.schedules.cpu.int8_codes import Group, Row, same_halves
 
 from ..legacy.int8_groups import nibbles
-from .numpy_codec import TABLE
+from .numpy_codec import TABLE, XS_MAX_SCALE
 from .tir_decode import xs_group_scale
 
 
@@ -57,3 +57,41 @@ def iq4_xs(row: Row, sub) -> Group:
     scale = row.half(0) * xs_group_scale(row.byte, sub).astype("float32")
     codes = table_codes(nibbles(row, 8 + sub * 16))
     return same_halves(codes, scale, tirx.const(0.0, "float32"), signed=True)
+
+
+def iq4_xs_group_scales(*rows: Row):
+    """The 8 group scales `d * (ls - 32)` of each of `rows` (blocks), 8 lanes after 8, with
+    vector shifts: `ls`'s low 4 bits are nibble g % 2 of byte 4 + g // 2, its high 2 bits bits
+    2g, 2g + 1 of the u16 at byte 2 (`tir_decode.xs_group_scale` reads the same bits)."""
+    count = len(rows)
+    lanes = 8 * count
+    raw = [tirx.Cast("int32x8", row.vec(0, 8)) for row in rows]  # bytes 0..7 of each block
+
+    def pick(idx):
+        return tirx.Shuffle(
+            raw, [tirx.const(8 * b + i, "int32") for b in range(count) for i in idx]
+        )
+
+    def every(period: int, times: int):
+        """int32 lanes (lane % period) * times: the per-lane shift counts."""
+        ramp = tirx.Ramp(tirx.const(0, "int32"), 1, lanes)
+        return (
+            ramp
+            % tirx.Broadcast(tirx.const(period, "int32"), lanes)
+            * tirx.Broadcast(tirx.const(times, "int32"), lanes)
+        )
+
+    low = (pick([4, 4, 5, 5, 6, 6, 7, 7]) >> every(2, 4)) & tirx.Broadcast(
+        tirx.const(15, "int32"), lanes
+    )
+    high = (pick([2, 2, 2, 2, 3, 3, 3, 3]) >> every(4, 2)) & tirx.Broadcast(
+        tirx.const(3, "int32"), lanes
+    )
+    ls = (low | (high << tirx.Broadcast(tirx.const(4, "int32"), lanes))) - tirx.Broadcast(
+        tirx.const(XS_MAX_SCALE, "int32"), lanes
+    )
+    d = tirx.Shuffle(
+        [tirx.Broadcast(row.half(0), 8) for row in rows],
+        [tirx.const(i, "int32") for i in range(lanes)],
+    )
+    return d * tirx.Cast(f"float32x{lanes}", ls)
