@@ -1,6 +1,7 @@
 """Random-weight GGUF files of real model shapes in llama.cpp's Q4_K_M mix, for benchmarks.
 
-    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes] [--ftype Q4_K_M Q5_K_M IQ4_XS]
+    python benchmarks/gguf_shapes.py [SHAPE ...] [--out /work/shapes]
+        [--ftype Q4_K_M Q5_K_M IQ4_XS IQ3_M]
 
 With no SHAPE, every shape but the `LARGE` ones (4B and 8B: an 8B file takes a 16 GB f16
 intermediate and 20-40 minutes on two cores); name those to build them.
@@ -9,8 +10,9 @@ Speed does not depend on weight values, so a file with the shape, tensor names a
 of a downloaded model stands in for it. Each shape is written as an f16 GGUF (f32 where
 llama.cpp keeps f32: norms and biases) by `gguf.GGUFWriter`, with random normal weights scaled
 by 0.02 so activations stay finite, then requantized by llama.cpp's own `llama_model_quantize`
-to Q4_K_M, Q5_K_M or IQ4_XS (`--ftype`, llama-cpp-python), so the mix is exactly what llama.cpp
-chooses. One f16 intermediate serves every `--ftype` and is then deleted; a finished
+to Q4_K_M, Q5_K_M, IQ4_XS or IQ3_M (`--ftype`, llama-cpp-python), so the mix is exactly what
+llama.cpp chooses (IQ3_M's iq3_s grid search takes llama.cpp about 15 minutes for the 3B shape
+on two cores). One f16 intermediate serves every `--ftype` and is then deleted; a finished
 `<shape>.<ftype>.gguf` already in the folder is reused.
 
 Tokenizers: the llama, qwen2 and qwen3 shapes carry SmolLM2's gpt2 BPE vocabulary padded with UNUSED
@@ -273,8 +275,8 @@ def type_histogram(path: Path) -> Counter:
     return Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
 
 
-# llama.cpp recipes a shape can be requantized to (IQ4_XS needs no importance matrix)
-FTYPES = ("Q4_K_M", "Q5_K_M", "IQ4_XS")
+# llama.cpp recipes a shape can be requantized to (IQ4_XS and IQ3_M need no importance matrix)
+FTYPES = ("Q4_K_M", "Q5_K_M", "IQ4_XS", "IQ3_M")
 
 
 def file_name(name: str, ftype: str = "Q4_K_M") -> str:

@@ -9,8 +9,10 @@ Random valid blocks (`tests/quant_blocks.py`: the lattice types have no quantize
 weight matrix per format; both kernels of a format get the same blocks and activations, and
 the rounds interleave the kernels so that a noisy neighbour slows them alike. `--cold`
 cycles through enough copies of the weights (64 MB) that each call reads them from memory.
-Prints the best time per call (ms) and the int8 result's largest difference from the float
-kernel's, relative to the largest output (the activations' 8-bit rounding).
+Prints the best time per call (ms) of the float kernel, the AVX2 int8 one and, on a CPU with
+AVX-512 VNNI, the one `decode` takes there (`vnni`: `int8_vnni_grid` for iq3_s, the VNNI row
+kernels for q4_0 and q4k), and the int8 results' largest difference from the float kernel's,
+relative to the largest output (the activations' 8-bit rounding).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from quant_blocks import weight_blocks  # noqa: E402
 from tallow.compiler.quant import QUANT_FORMATS  # noqa: E402
 from tallow.compiler.target import resolve_target  # noqa: E402
 from tallow.model_defs.quant_ops import QuantLinear  # noqa: E402
-from tallow.schedules.cpu import int8_gemv  # noqa: E402
+from tallow.schedules.cpu import int8_gemv, int8_vnni  # noqa: E402
 from tallow.schedules.cpu import quant as cpu_quant  # noqa: E402
 
 LATTICE = [q for q, f in QUANT_FORMATS.items() if f.table is not None]
@@ -57,6 +59,8 @@ def kernels(qtype: str, n: int, k: int, target) -> dict:
     out = {"float": _build(cpu_quant.schedule_func(func, target), target)["main"]}
     if QUANT_FORMATS[qtype].int8 is not None:
         out["int8"] = _build(int8_gemv.gemv_kernel(qtype, n, k, 1), target)["main"]
+        if int8_vnni.supported(target):  # the VNNI one-row kernel, where the format has one
+            out["vnni"] = _build(int8_gemv.gemv_kernel(qtype, n, k, 1, vnni=True), target)["main"]
     return out
 
 
@@ -95,16 +99,21 @@ def main() -> None:
                 results[qtype, name] = out.numpy().reshape(-1)
     mode = "cold: weights from memory" if args.cold else "weights in cache"
     print(f"[{args.n}, {args.k}] one row, best of {args.rounds} interleaved rounds, ms ({mode})")
-    print(f"{'format':>8} {'float':>8} {'int8':>8} {'speed-up':>9} {'error':>8}")
+    names = ["int8", "vnni"]
+    head = "".join(f"{n:>8} {'x':>6}" for n in names)
+    print(f"{'format':>8} {'float':>8} {head} {'error':>8}   (x: speed-up on float)")
     for qtype, (funcs, _, _) in cases.items():
         f_ms = best[qtype, "float"]
-        if "int8" not in funcs:
-            print(f"{qtype:>8} {f_ms:>8.3f} {'-':>8} {'-':>9} {'-':>8}")
-            continue
-        i_ms = best[qtype, "int8"]
         ref = results[qtype, "float"]
-        err = np.abs(results[qtype, "int8"] - ref).max() / np.abs(ref).max()
-        print(f"{qtype:>8} {f_ms:>8.3f} {i_ms:>8.3f} {f_ms / i_ms:>8.1f}x {err:>8.1e}")
+        cells, err = "", 0.0
+        for name in names:
+            if name not in funcs:
+                cells += f"{'-':>8} {'-':>6}"
+                continue
+            ms = best[qtype, name]
+            cells += f"{ms:>8.3f} {f_ms / ms:>5.1f}x"
+            err = max(err, np.abs(results[qtype, name] - ref).max() / np.abs(ref).max())
+        print(f"{qtype:>8} {f_ms:>8.3f} {cells} {err:>8.1e}")
 
 
 if __name__ == "__main__":

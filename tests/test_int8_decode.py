@@ -153,8 +153,9 @@ def test_gemv_matches_numpy(qtype):
         ("q3k", 512),  # a K-quant without vector block scales: scales per pair
         ("q4k", 512),  # nibble pairs from one load; two super-blocks' scales at once
         ("q6k", 768),  # halves with their own scales; an odd count of super-blocks
-        ("iq4_xs", 768),  # table nibbles (`int8_vnni_table`): an odd count of super-blocks
+        ("iq4_xs", 768),  # table nibbles (`int8_table_row`): an odd count of super-blocks
         ("iq4_xs", 1024),  # two super-blocks' scales at once
+        ("iq3_s", 768),  # grid entries gathered, signs on the activations (`int8_vnni_grid`)
     ],
 )
 def test_vnni_row_kernel_matches_numpy(qtype, k):
@@ -162,7 +163,7 @@ def test_vnni_row_kernel_matches_numpy(qtype, k):
     n = 32
     blocks, deq = _weights(qtype, n, k, seed=31)
     x = _activations(1, k, seed=32)
-    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1, vnni=True), x, blocks, n), x, deq)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1, vnni=True), x, blocks, n, qtype), x, deq)
 
 
 @pytest.mark.parametrize("qtype", ["q2k", "q4k", "q5k", "q6k"])
@@ -179,6 +180,25 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     avx2 = Target(resolve_level("x86-64-v3").tvm_target)
     with avx2:
         func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
+    out = tvm.runtime.empty((1, 1, n), "float32")
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+    _check(out.numpy(), x, deq)
+
+
+@pytest.mark.parametrize("k", [256, 768, 1024])
+def test_table_row_kernel_on_avx2(k):
+    """iq4_xs's one-row kernel for an AVX2-only CPU level (`int8_table_row.avx2_dot_macro`:
+    32-byte nibble loads, activations reordered by half groups): 1, 3 (odd) and 4
+    super-blocks a row."""
+    from tallow.compiler.cpu_levels import resolve_level
+
+    n = 32
+    blocks, deq = _weights("iq4_xs", n, k, seed=13)
+    x = _activations(1, k, seed=14)
+    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
+    with avx2:
+        func = int8_gemv.gemv_kernel("iq4_xs", n, k, 1).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
     out = tvm.runtime.empty((1, 1, n), "float32")
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)

@@ -6,7 +6,10 @@ transposes, the signed codes' flip to `code + 128` and its offset, the tails) ru
 CPU: `int8_vnni._vpdpbusd`, the one AVX-512 VNNI intrinsic, is replaced by the same
 arithmetic in plain TIR (unsigned by signed byte products widened to int32, each lane's 4
 summed, no saturation: the instruction's definition), which LLVM lowers onto 256-bit
-vectors. What this cannot show: the instruction itself and the AVX-512 code generation.
+vectors; so are the two AVX-512 instructions of the i-quant row kernels, the 512-bit
+`vpshufb` of `int8_table_row` (two 256-bit ones) and the `vpgatherdd` of `int8_vnni_grid`
+(a vector-indexed load). What this cannot show: the instructions themselves and the AVX-512
+code generation.
 
 The oracle is `test_int8_decode`'s: `gguf.quants.dequantize` of the weights times the
 activations rounded as `cpu.int8_ops` documents, in numpy float64. Checked to fail (max
@@ -25,10 +28,11 @@ from tallow.compiler.quant import QUANT_FORMATS
 from tallow.compiler.quant.iquants.int8_groups import table_codes
 from tallow.schedules.cpu import (
     int8_gemv,
+    int8_table_row,
     int8_vnni,
+    int8_vnni_grid,
     int8_vnni_legacy,
     int8_vnni_row,
-    int8_vnni_table,
 )
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
@@ -52,7 +56,7 @@ def _vpdpbusd_in_plain_tir(acc, codes, x):
 
 
 def _lookup_on_avx2(table, indices):
-    """`int8_vnni_table._lookup` (a 512-bit `vpshufb`) as two 256-bit ones."""
+    """`int8_table_row._lookup` (a 512-bit `vpshufb`) as two 256-bit ones."""
     halves = [
         table_codes(
             tirx.Shuffle([indices], [tirx.const(h * 32 + i, "int32") for i in range(32)]), table
@@ -64,11 +68,21 @@ def _lookup_on_avx2(table, indices):
     )
 
 
+def _gather_in_plain_tir(table, indices):
+    """`int8_vnni_grid._gather` (`vpgatherdd`): the 4 bytes at 4 * index, 16 times."""
+    four = tirx.Shuffle([indices] * 4, [tirx.const(i // 4, "int32") for i in range(64)])
+    offsets = four * tirx.Broadcast(tirx.const(4, "int32"), 64) + tirx.Ramp(
+        tirx.const(0, "int32"), 1, 64
+    ) % tirx.Broadcast(tirx.const(4, "int32"), 64)
+    return tirx.reinterpret("int32x16", tirx.BufferLoad(table, [offsets]))
+
+
 @pytest.fixture
 def emulated(monkeypatch):
-    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row, int8_vnni_table):
+    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row, int8_table_row, int8_vnni_grid):
         monkeypatch.setattr(module, "_vpdpbusd", _vpdpbusd_in_plain_tir)  # each holds its own
-    monkeypatch.setattr(int8_vnni_table, "_lookup", _lookup_on_avx2)
+    monkeypatch.setattr(int8_table_row, "_lookup", _lookup_on_avx2)
+    monkeypatch.setattr(int8_vnni_grid, "_gather", _gather_in_plain_tir)
 
 
 def _k(qtype: str, legacy: int, blocks: int) -> int:
@@ -83,6 +97,16 @@ def test_vnni_row_kernel(emulated, qtype):
         blocks, deq = _weights(qtype, 32, k, seed=31)
         x = _activations(1, k, seed=32)
         kernel = _build(int8_gemv.gemv_kernel(qtype, 32, k, 1, vnni=True))
+        _check(kernel(x, blocks, 32), x, deq)
+
+
+def test_vnni_grid_row_kernel(emulated):
+    """`decode`'s VNNI one-row kernel for iq3_s (`int8_vnni_grid`): 1 and 3 super-blocks, the
+    grid table passed as the kernel's third input."""
+    for k in (256, 768):
+        blocks, deq = _weights("iq3_s", 32, k, seed=41)
+        x = _activations(1, k, seed=42)
+        kernel = _build(int8_gemv.gemv_kernel("iq3_s", 32, k, 1, vnni=True), "iq3_s")
         _check(kernel(x, blocks, 32), x, deq)
 
 

@@ -54,10 +54,23 @@ class TableNibbles:
     16 bytes per 32-weight group from `codes_at`, byte t holding weight t (low nibble) and
     t + 16 (high). `group_scales(*rows)` gives each group's scale (table units to weights)
     as a float32 vector, one lane per group, the blocks of `rows` one after another. The
-    VNNI row kernel (`schedules.cpu.int8_vnni_table`) reads a block with 64-byte loads."""
+    VNNI row kernel (`schedules.cpu.int8_table_row`) reads a block with 64-byte loads."""
 
     table: Any  # the 16 int8 values, a numpy array
     codes_at: int
+    group_scales: Callable
+
+
+@dataclass(frozen=True)
+class GridPairs:
+    """A lattice format whose 32-weight groups are 8 entries of 4 unsigned grid bytes plus a
+    sign bit per weight (iq3_s), as the VNNI row kernel (`schedules.cpu.int8_vnni_grid`)
+    reads two groups at a time: `indices(row, p)` the 16 grid entries' indices (int32x16) of
+    groups 2p and 2p + 1 of a block, their 8 sign bytes at `signs_at + 8 p` (bit j: weight
+    j), and `group_scales(row)` the block's group scales as a float32 vector."""
+
+    indices: Callable
+    signs_at: int
     group_scales: Callable
 
 
@@ -97,6 +110,7 @@ class Int8Codes:
     # bits: bits 2j, 2j + 1 for group j); the VNNI tiles transpose 3 runs per 4 groups
     six_bit_at: tuple[int, int] | None = None
     table_nibbles: TableNibbles | None = None
+    grid_pairs: GridPairs | None = None
 
 
 @dataclass(frozen=True)

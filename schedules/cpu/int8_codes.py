@@ -114,5 +114,6 @@ def row_kernels_only(qtype: str) -> bool:
     (`int8_gemv`) and `batch_decode`'s row tiles (`int8_batched`). A format with a constant
     table (the lattice grids) reaches them as an extra parameter, which only they declare;
     prefill and the MoE kernels keep float activations for it, and `batch_decode` takes the
-    row tiles on CPUs with AVX-512 VNNI too."""
+    row tiles on CPUs with AVX-512 VNNI too (`decode` there: `int8_vnni_grid` for the formats
+    with `Int8Codes.grid_pairs`)."""
     return get_format(qtype).table is not None

@@ -58,7 +58,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
-from . import int8_vnni_legacy, int8_vnni_table
+from . import int8_table_row, int8_vnni_legacy
 from .int8_codes import LANES, Row, codes_of, group
 from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
 from .int8_vnni import COLS, _vpdpbusd
@@ -98,8 +98,10 @@ def spread(scales, slots: int):
     return tirx.Shuffle([scales] * per, [_c(i // per) for i in range(COLS)])
 
 
-def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
-    """`out[0, 0, :] = x[0, 0, :] @ dequantize(w)^T`, one sequence (see the module doc)."""
+def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD, vnni: bool = True):
+    """`out[0, 0, :] = x[0, 0, :] @ dequantize(w)^T`, one sequence (see the module doc).
+    `vnni=False`: the AVX2 dot product of the table formats (`int8_table_row`) in the same
+    scaffold, for them only."""
     fmt = get_format(qtype)
     groups = k // LANES
     rb = fmt.row_bytes(k)
@@ -109,14 +111,17 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
     padded = -(-slots // int8_vnni_legacy.CHUNK) * int8_vnni_legacy.CHUNK  # vector tail reads
     nibble_pairs = codes_of(qtype).nibble_pairs_at is not None and fmt.block_size % 256 == 0
 
-    table = int8_vnni_table.applies(qtype)
+    table = int8_table_row.applies(qtype)
+    if not vnni and not table:
+        raise ValueError(f"{qtype}: only the table formats take this scaffold on AVX2")
+    load = int8_table_row.LOAD if vnni else int8_table_row.AVX2_LOAD
 
     def source_chunk(c):
         """The 16 activations (of `xq`) that go to chunk `c` of `xp`: q4k's pairs are groups
         4i, 4i+2 and 4i+1, 4i+3 of each block (the low and the high nibbles of one 64-byte
-        load); the table formats' order is `int8_vnni_table.source_chunk`'s."""
+        load); the table formats' order is `int8_table_row.source_chunk`'s."""
         if table:
-            return int8_vnni_table.source_chunk(c)
+            return int8_table_row.source_chunk(c, load)
         if not nibble_pairs:
             return c
         g = c // 2
@@ -125,8 +130,10 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD):
     streams = STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
     # the K-quants' loop prefetches as it goes; the others ask for a row's lines up front
     row_lines = 0
-    if table:
-        dot_row = int8_vnni_table.dot_macro(qtype, groups, ahead)
+    if table and not vnni:
+        dot_row = int8_table_row.avx2_dot_macro(qtype, groups, ahead)
+    elif table:
+        dot_row = int8_table_row.dot_macro(qtype, groups, ahead)
     elif int8_vnni_legacy.applies(qtype):
         dot_row = int8_vnni_legacy.dot_macro(qtype, groups, pair_codes)
         row_lines = -(-rb // 64) if ahead else 0

@@ -9,7 +9,8 @@ the fused kernels as a constant uint8 parameter (`QuantFormat.table`; `tir_decod
 why that way).
 
 What runs: on the CPU, the int8-activation kernels of `decode` and `batch_decode` (the AVX2
-row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights)
+row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights;
+on AVX-512 VNNI, iq3_s's `decode` takes `schedules.cpu.int8_vnni_grid`, `GridPairs`)
 and the float fused dequantize-matmul elsewhere (prefill, the embedding); not the MoE
 grouped kernels nor the GPU schedules, which refuse these types when compiling.
 Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EPYC Zen 3,
@@ -33,7 +34,7 @@ from functools import partial
 from gguf import GGMLQuantizationType as GGML
 
 from .. import lowbit  # noqa: F401 - the older families first: they list before ours
-from ..format import Int8Codes, Lazy, QuantFormat
+from ..format import GridPairs, Int8Codes, Lazy, QuantFormat
 from ..registry import register_format
 from . import numpy_codec as codec
 from .tables import grid_bytes
@@ -47,7 +48,9 @@ NEEDS_IMATRIX = (
 NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it (yet)"
 
 
-def _grid_format(name, ggml_type, type_size, no_quantizer, int8=True, halves=False):
+def _grid_format(
+    name, ggml_type, type_size, no_quantizer, int8=True, halves=False, grid_pairs=None
+):
     return QuantFormat(
         gpu=False,
         name=name,
@@ -59,12 +62,24 @@ def _grid_format(name, ggml_type, type_size, no_quantizer, int8=True, halves=Fal
         tir_decode=Lazy(_TIR, name),
         table=partial(grid_bytes, name),
         no_quantizer=no_quantizer,
-        int8=Int8Codes(group=Lazy(_INT8, name), signed=True, split_halves=halves) if int8 else None,
+        int8=Int8Codes(
+            group=Lazy(_INT8, name), signed=True, split_halves=halves, grid_pairs=grid_pairs
+        )
+        if int8
+        else None,
     )
 
 
 for _fmt in (
-    _grid_format("iq3_s", GGML.IQ3_S, 110, NOT_WRITTEN),
+    _grid_format(
+        "iq3_s",
+        GGML.IQ3_S,
+        110,
+        NOT_WRITTEN,
+        grid_pairs=GridPairs(
+            Lazy(_INT8, "iq3_s_pair_indices"), 74, Lazy(_INT8, "iq3_s_group_scales")
+        ),
+    ),
     _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
     _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX, halves=True),
     _grid_format("iq2_xs", GGML.IQ2_XS, 74, NEEDS_IMATRIX, halves=True),

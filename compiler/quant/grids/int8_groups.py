@@ -129,3 +129,30 @@ def iq1_s(row: Row, sub) -> Group:
     dl = row.half(0) * (2 * ((qh >> 12) & 7) + 1).astype("float32")
     delta = dl * decoders.DELTA * (1 - 2 * ((qh >> 15) & 1)).astype("float32")
     return same_halves(codes, dl, delta, signed=True)
+
+
+def _every(period: int, times: int, lanes: int):
+    """int32 lanes (lane % period) * times."""
+    ramp = tirx.Ramp(_c(0), 1, lanes)
+    return ramp % tirx.Broadcast(_c(period), lanes) * tirx.Broadcast(_c(times), lanes)
+
+
+def iq3_s_pair_indices(row: Row, p):
+    """int32x16: the grid indices of groups 2p and 2p + 1 (`GridPairs`): 8 low bytes each
+    from 2 + 8g, the 9th bit e of byte 66 + g for entry e. The two high bytes are bits 8-23
+    of the 32-bit word at 65 + 2p, so entry i's bit is bit 8 + i of it: one broadcast word,
+    one variable shift and one ternary logic op (a byte spread of them took 4 more)."""
+    low = tirx.Cast("int32x16", row.vec(2 + 16 * p, 16))
+    word = tirx.Broadcast(tirx.reinterpret("int32", row.vec(65 + 2 * p, 4)), 16)
+    return low | ((word >> tirx.Ramp(_c(0), 1, 16)) & tirx.Broadcast(_c(256), 16))
+
+
+def iq3_s_group_scales(row: Row):
+    """float32x8: the block's 8 group scales `d * (1 + 2 s)`, s the 4-bit nibble g % 2 of byte
+    106 + g // 2."""
+    raw = tirx.Cast("int32x4", row.vec(106, 4))
+    nibble = (tirx.Shuffle([raw] * 2, [_c(i // 2) for i in range(8)]) >> _every(2, 4, 8)) & (
+        tirx.Broadcast(_c(15), 8)
+    )
+    odd = nibble * tirx.Broadcast(_c(2), 8) + tirx.Broadcast(_c(1), 8)
+    return tirx.Broadcast(row.half(0), 8) * tirx.Cast("float32x8", odd)
