@@ -24,6 +24,12 @@ from tallow.schedules.cpu.int8_prefill import prefill_kernel
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None and f.table is None]
 
 SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")
+# the lattice i-quants with int8 groups: their grid is a third kernel input (x, w, table, out)
+LATTICE_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None and f.table]
+
+
+def _table(qtype: str) -> list:
+    return [tvm.runtime.tensor(np.ascontiguousarray(QUANT_FORMATS[qtype].table()))]
 
 
 def _build(func):
@@ -105,6 +111,28 @@ def test_avx2_prefill_matches_numpy(qtype):
     np.testing.assert_array_equal(results[37], results[133][-37:])
 
 
+@needs_vnni
+@pytest.mark.parametrize("qtype", LATTICE_TYPES)
+def test_lattice_prefill_matches_numpy(qtype):
+    """The lattice i-quants in the VNNI tiles (each row's codes decoded once into a buffer,
+    then transposed): 3, 37 and 133 tokens, 64 columns, 2 super-blocks a row."""
+    k, n = 512, 64
+    blocks, deq = _weights(qtype, n, k, seed=61)
+    lib = _build(prefill_kernel(qtype, n, k))
+    for tokens in (3, 37, 133):
+        x = _activations(tokens, k, seed=62 + tokens)
+        out = tvm.runtime.empty((1, tokens, n), "float32")
+        lib["main"](
+            tvm.runtime.tensor(x.reshape(1, tokens, k)),
+            tvm.runtime.tensor(blocks),
+            *_table(qtype),
+            out,
+        )
+        ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq))
+        err = np.abs(out.numpy().reshape(tokens, n) - ref)
+        assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} tokens: max err {err.max()}"
+
+
 class _Projections(nn.Module):
     def __init__(self, k, n, qtype):
         self.proj = QuantLinear(k, n, qtype)
@@ -153,3 +181,21 @@ def test_avx2_pass_leaves_the_lattice_formats_to_the_float_tiles():
     out = int8_prefill_kernels(report, vnni=False)(mod)
     assert not any('T.sblock("dot_columns")' in f.script() for _, f in out.functions_items())
     assert report.to_details() == {"prefill_activations": "float32", "int8_prefill_kernels": 0}
+
+
+def test_vnni_pass_gives_the_lattice_formats_int8_tiles():
+    """On AVX-512 VNNI the tiles take the grid as the fused kernel did (x, w, table, out), so
+    an IQ3_S projection's prefill gets int8 activations (its numbers:
+    `test_lattice_prefill_matches_numpy`). Only TIR is built: this runs on any CPU."""
+    k, n = 256, 32
+    mod, _ = _Projections(k, n, "iq3_s").export_tvm(
+        {"prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")}}
+    )
+    report = BuildReport()
+    out = int8_prefill_kernels(report, vnni=True)(mod)
+    (int8,) = [f for _, f in out.functions_items() if 'T.sblock("dot_vnni")' in f.script()]
+    assert len(int8.params) == 4
+    assert report.to_details() == {
+        "prefill_activations": "int8_g32_row_step",
+        "int8_prefill_kernels": 1,
+    }

@@ -11,6 +11,8 @@ test_quant_half, test_quant_registry) cover these formats too, on random valid b
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import numpy as np
 import pytest
@@ -167,12 +169,38 @@ GRID_TYPES = {
 }
 
 
+@contextlib.contextmanager
+def _rounding_linears(float_weights: set):
+    """While open, every `F.linear` of transformers rounds its input rows as the int8 kernels
+    do (`test_int8_decode._round_activations`), but those of the weights whose id is in
+    `float_weights`."""
+    import torch
+    from test_int8_decode import _round_activations
+
+    functional = torch.nn.functional
+    float_linear = functional.linear
+
+    def linear(x, w, b=None):
+        if id(w) in float_weights:
+            return float_linear(x, w, b)
+        rows = x.detach().reshape(-1, x.shape[-1]).numpy().astype(np.float32)
+        values, _ = _round_activations(rows)
+        return float_linear(torch.from_numpy(values.astype(np.float32)).reshape(x.shape), w, b)
+
+    functional.linear = linear
+    try:
+        yield
+    finally:
+        functional.linear = float_linear
+
+
 @pytest.mark.slow
 def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
     """A GGUF whose matrices are the seven lattice i-quants (random valid blocks, about the
     model's weights' size) compiles for this CPU with every tensor in its own type, and its
     logits are transformers' on the weights `gguf` decodes from those bytes: the prompts'
-    prefill (float activations) to float32 rounding; a batched decode step and a lone
+    prefill to float32 rounding (float activations; on AVX-512 VNNI int8 ones, within their
+    rounding); a batched decode step and a lone
     sequence's, whose matmuls in these types but iq1_m take the int8-activation kernels
     (`compiler/quant/grids/int8_groups.py`), within the rounding of the activations."""
     import torch
@@ -201,11 +229,18 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
     for i in range(len(PROMPTS)):
         runner.add_sequence(i)
     got = runner.forward(list(enumerate(PROMPTS)))
-    with torch.no_grad():
+    (library,) = manifest["libraries"]
+    # AVX-512 VNNI prefills these types with int8 activations too (`int8_prefill`'s tiles):
+    # then the oracle's prefill rounds the inputs of every linear but iq1_m's (float
+    # kernels), and so builds the KV cache the decode steps below read. Measured 2026-12-06
+    # (Intel Xeon): 0.10 of logits up to 13.6, against 1.11 from a prefill without rounding
+    int8_prefill = library["details"].get("prefill_activations") == "int8_g32_row_step"
+    iq1_m = {id(layer.mlp.gate_proj.weight) for layer in hf.model.layers}
+    rounding = _rounding_linears(iq1_m) if int8_prefill else contextlib.nullcontext()
+    with rounding, torch.no_grad():
         outs = [hf(torch.tensor([p]), use_cache=True) for p in PROMPTS]
     want = np.stack([o.logits[0, -1].numpy() for o in outs])
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    (library,) = manifest["libraries"]
+    assert np.abs(got - want).max() <= (0.02 if int8_prefill else 1e-4) * np.abs(want).max()
     assert library["details"]["int8_decode_kernels"] > 0  # the IQ3_S ones
     nxt = [int(w.argmax()) for w in want]
     got = runner.forward([(i, [t]) for i, t in enumerate(nxt)])

@@ -122,6 +122,23 @@ def test_vnni_tiles(emulated, qtype):
         _check(kernel(x, blocks, n), x, deq)
 
 
+def test_vnni_lattice_prefill(emulated):
+    """Prefill's VNNI tiles for a lattice format (iq3_s: its grid a third input, each row's
+    codes decoded once into a buffer and transposed from there)."""
+    k, n = 512, 32
+    blocks, deq = _weights("iq3_s", n, k, seed=71)
+    func = prefill_kernel("iq3_s", n, k).with_attr("global_symbol", "main")
+    with TARGET:
+        lib = tvm.compile(tvm.IRModule({"main": func}), TARGET)
+    table = tvm.runtime.tensor(np.ascontiguousarray(QUANT_FORMATS["iq3_s"].table()))
+    x = _activations(5, k, seed=72)
+    out = tvm.runtime.empty((1, 5, n), "float32")
+    lib["main"](tvm.runtime.tensor(x.reshape(1, 5, k)), tvm.runtime.tensor(blocks), table, out)
+    ref, bound = (a.reshape(5, n) for a in _oracle(x, deq))
+    err = np.abs(out.numpy().reshape(5, n) - ref)
+    assert (err <= 1e-5 * bound + 1e-6).all(), f"max err {err.max()}"
+
+
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_prefill(emulated, qtype):
     """Prefill's int8 tiles (`int8_prefill`: the VNNI tiles over token rows)."""

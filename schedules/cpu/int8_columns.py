@@ -188,18 +188,18 @@ def scales_macro(qtype: str, cols: int, sign_trick: bool = False):
     zero = tirx.Broadcast(tirx.const(0.0, "float32"), cols)
 
     @T.macro
-    def store(sc, w, n0, g):
+    def store(sc, w, n0, g, table=None):
         if leading_scale:
             sv = T.meta_var(legacy_scales(w, n0, g, qtype, cols))
             sc[T.Ramp(0, 1, cols)] = sv[0]
             sc[T.Ramp(2 * cols, 1, cols)] = zero if signed else sv[1]
         else:
             for c in T.unroll(cols):
-                sc[c] = group(w, qtype, n0 + c, g).scale_lo
-                sc[2 * cols + c] = group(w, qtype, n0 + c, g).offset_lo
+                sc[c] = group(w, qtype, n0 + c, g, table).scale_lo
+                sc[2 * cols + c] = group(w, qtype, n0 + c, g, table).offset_lo
                 if halves == 2:
-                    sc[cols + c] = group(w, qtype, n0 + c, g).scale_hi
-                    sc[3 * cols + c] = group(w, qtype, n0 + c, g).offset_hi
+                    sc[cols + c] = group(w, qtype, n0 + c, g, table).scale_hi
+                    sc[3 * cols + c] = group(w, qtype, n0 + c, g, table).offset_hi
 
     return store
 

@@ -32,6 +32,13 @@ in its kernels: 7.9 -> 6.2 s (gate/up 2.91 -> 2.41 s, q6k down 2.21 -> 1.25 s).
 The token axis is the second of `[1, tokens, K]`; the decode macros index `[rows, 1, K]`,
 which is the same memory, so the kernel declares that view of `x` and `out`.
 
+The lattice i-quants (a grid table, a fourth kernel input) take the generic tiles with the
+grid passed along; each of a tile's 16 rows' codes is decoded once into a buffer and the
+transposes read it from there (built as expressions, the transposes copied each row's grid
+decode many times over and TVM's passes took minutes on one kernel). A Llama-3.2-3B-shaped
+IQ3_M file's 500-token prefill went from the float tiles' 22 tok/s to the figure in
+docs/benchmarks.md.
+
 Numerics: as `batch_decode`'s (the activations rounded per 32 to int8 with a per-row step),
 not float; the manifest says so (`target.details.prefill_activations`). Tests compare it
 with numpy on gguf's dequantizers, rounding mirrored (`tests/test_int8_prefill.py`).
@@ -54,7 +61,8 @@ ROWS = 128  # token rows sharing one transposed group of codes
 def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     """`out[0, t, :] = x[0, t, :] @ dequantize(w)^T` for a symbolic token count.
 
-    Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out)."""
+    Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out), or (x, w,
+    table, out) for a format with a constant table (the lattice i-quants' grids)."""
     if k % LANES or n_out % COLS:
         raise ValueError(f"int8 prefill needs k % {LANES} == 0 and n % {COLS} == 0")
     groups = k // LANES
@@ -63,9 +71,8 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     quantize = quantize_macro(groups, halves)
     tile = int8_vnni.tile_macro(qtype, groups)
 
-    @T.prim_func(s_tir=True, private=True)
-    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+    @T.macro
+    def body(x_handle, w, out_handle, table):
         tokens = T.int64()
         x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
         out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
@@ -125,11 +132,35 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                     # the tile's sums: a compact array (rows of `out` are a power of two
                     # apart, which maps them to a few L1 sets)
                     acc = T.sblock_alloc_buffer((rows, 1, COLS), "float32")
-                    tile(w, nb * COLS, 0, n_rows, xq_tile, steps_tile, xs_tile, acc, 0, 0)
+                    n0 = T.meta_var(nb * COLS)
+                    if table is None:
+                        tile(w, n0, 0, n_rows, xq_tile, steps_tile, xs_tile, acc, 0, 0)
+                    else:  # (only the generic tiles take a table)
+                        tile(w, n0, 0, n_rows, xq_tile, steps_tile, xs_tile, acc, 0, 0, table)
                     for r in range(n_rows):
                         rows_out[r0 + r, 0, T.Ramp(nb * COLS, 1, COLS)] = acc[
                             r, 0, T.Ramp(0, 1, COLS)
                         ]
+
+    if get_format(qtype).table is not None:  # a lattice format: its grid, a constant input
+        size = len(get_format(qtype).table())
+
+        @T.prim_func(s_tir=True, private=True)
+        def gemm_table(
+            x_handle: T.handle,
+            w: T.Buffer((n_out, rb), "uint8"),
+            table: T.Buffer((size,), "uint8"),
+            out_handle: T.handle,
+        ):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+            body(x_handle, w, out_handle, table)
+
+        return gemm_table
+
+    @T.prim_func(s_tir=True, private=True)
+    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        body(x_handle, w, out_handle, None)
 
     return gemm
 
@@ -145,9 +176,15 @@ def prefill_kernel_for(func, vnni: bool = True):
     from ..tir_common import static_extent
     from . import int8_prefill_columns as columns
 
-    if not func.attrs or QUANT_TYPE_ATTR not in func.attrs or len(func.params) != 3:
+    if not func.attrs or QUANT_TYPE_ATTR not in func.attrs:
         return None
-    x, w, out = func.params  # TVM 0.27: parameters carry their buffer shape and dtype
+    qtype = str(func.attrs[QUANT_TYPE_ATTR])
+    # a lattice format's grid comes as a third input (x, w, table, out): the VNNI tiles
+    # take it, the AVX2 column tiles do not
+    with_table = format_of(qtype).table is not None
+    if len(func.params) != (4 if with_table else 3) or (with_table and not vnni):
+        return None
+    x, w, out = func.params[0], func.params[1], func.params[-1]  # (TVM 0.27: typed params)
     if len(x.shape) != 3 or static_extent(x.shape[0]) != 1 or len(w.shape) != 2:
         return None
     if static_extent(x.shape[1]) is not None:  # a static token count: decode's pass
@@ -158,7 +195,6 @@ def prefill_kernel_for(func, vnni: bool = True):
     cols = COLS if vnni else columns.COLS
     if k is None or n is None or k % LANES or n % cols:
         return None
-    qtype = str(func.attrs[QUANT_TYPE_ATTR])
     if format_of(qtype).int8 is None:
         return None
     if vnni:

@@ -88,14 +88,23 @@ def _vpdpbusd(acc, codes, x):
     )
 
 
-def step_vectors(w, n0, g, qtype: str):
-    """8 int32x16: vector `s` holds unsigned codes `4s..4s+3` of group `g` of rows n0..n0+15."""
+def step_vectors(w, n0, g, qtype: str, stored=None):
+    """8 int32x16: vector `s` holds unsigned codes `4s..4s+3` of group `g` of rows n0..n0+15
+    (`stored`: a buffer holding the 16 rows' codes already, 32 bytes each: the lattice
+    formats', whose decode expressions the transposes would copy many times over)."""
     block_bytes = get_format(qtype).type_size
     nibble_codes_at = codes_of(qtype).nibble_codes_at
 
     def half(first):
         if nibble_codes_at is not None:
             return nibble_steps(w, first, g, block_bytes, nibble_codes_at)
+        if stored is not None:
+            return transpose(
+                [
+                    tirx.reinterpret("int32x8", stored.vload([(first - n0 + c) * LANES], "int8x32"))
+                    for c in range(HALF)
+                ]
+            )
         codes = [group(w, qtype, first + c, g).codes for c in range(HALF)]
         return transpose([tirx.reinterpret("int32x8", v) for v in codes])
 
@@ -223,20 +232,24 @@ def tile_macro(qtype: str, groups: int):
         return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
 
     @T.macro
-    def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0):
+    def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0, table=None):
         # the sums accumulate in the caller's `acc`, so a tile takes any number of rows: a
         # stack array of its own stops at 1 KiB (16 x 16 floats), past which TVM calls its
         # workspace allocator
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
+        cb = T.sblock_alloc_buffer((COLS * LANES,), "int8")  # a lattice format's codes
         for r in range(rows):
             acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for g in range(groups):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
-            tr = T.meta_var(step_vectors(w, n0, g, qtype))
+            if table is not None:  # a lattice format: each row's codes decoded once
+                for c in T.unroll(COLS):
+                    cb[T.Ramp(c * LANES, 1, LANES)] = group(w, qtype, n0 + c, g, table).codes
+            tr = T.meta_var(step_vectors(w, n0, g, qtype, None if table is None else cb))
             store_vectors(ct, tr)
-            store_scales(sc, w, n0, g)
+            store_scales(sc, w, n0, g, table)
             for r in range(rows):
                 upd = T.meta_var(
                     update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
