@@ -9,10 +9,11 @@ Random valid blocks (`tests/quant_blocks.py`: the lattice types have no quantize
 weight matrix per format; both kernels of a format get the same blocks and activations, and
 the rounds interleave the kernels so that a noisy neighbour slows them alike. `--cold`
 cycles through enough copies of the weights (64 MB) that each call reads them from memory.
-Prints the best time per call (ms) of the float kernel, the AVX2 int8 one and, on a CPU with
-AVX-512 VNNI, the one `decode` takes there (`vnni`: `int8_vnni_grid` for iq3_s, the VNNI row
-kernels for q4_0 and q4k), and the int8 results' largest difference from the float kernel's,
-relative to the largest output (the activations' 8-bit rounding).
+Prints the best time per call (ms) of the float kernel, the AVX2 int8 one (`int8`; for iq3_s
+`int8_grid_row`'s) and, on a CPU with AVX-512 VNNI, the one `decode` takes there (`vnni`:
+`int8_grid_row`'s for iq3_s, the VNNI row kernels for q4_0 and q4k), and the int8 results'
+largest difference from the float kernel's, relative to the largest output (the
+activations' 8-bit rounding).
 """
 
 from __future__ import annotations

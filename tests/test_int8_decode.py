@@ -155,7 +155,7 @@ def test_gemv_matches_numpy(qtype):
         ("q6k", 768),  # halves with their own scales; an odd count of super-blocks
         ("iq4_xs", 768),  # table nibbles (`int8_table_row`): an odd count of super-blocks
         ("iq4_xs", 1024),  # two super-blocks' scales at once
-        ("iq3_s", 768),  # grid entries gathered, signs on the activations (`int8_vnni_grid`)
+        ("iq3_s", 768),  # grid entries gathered, signs on the activations (`int8_grid_row`)
     ],
 )
 def test_vnni_row_kernel_matches_numpy(qtype, k):
@@ -186,22 +186,26 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     _check(out.numpy(), x, deq)
 
 
+@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
 @pytest.mark.parametrize("k", [256, 768, 1024])
-def test_table_row_kernel_on_avx2(k):
-    """iq4_xs's one-row kernel for an AVX2-only CPU level (`int8_table_row.avx2_dot_macro`:
-    32-byte nibble loads, activations reordered by half groups): 1, 3 (odd) and 4
-    super-blocks a row."""
+def test_i_quant_row_kernels_on_avx2(qtype, k):
+    """The i-quants' one-row kernels for an AVX2-only CPU level, whatever this CPU:
+    iq4_xs's (`int8_table_row.avx2_dot_macro`: 32-byte nibble loads, activations reordered
+    by half groups) and iq3_s's (`int8_grid_row`: a 256-bit gather per group, the signs on
+    the activations); 1, 3 (odd) and 4 super-blocks a row."""
     from tallow.compiler.cpu_levels import resolve_level
 
     n = 32
-    blocks, deq = _weights("iq4_xs", n, k, seed=13)
+    blocks, deq = _weights(qtype, n, k, seed=13)
     x = _activations(1, k, seed=14)
     avx2 = Target(resolve_level("x86-64-v3").tvm_target)
     with avx2:
-        func = int8_gemv.gemv_kernel("iq4_xs", n, k, 1).with_attr("global_symbol", "main")
+        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
         lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
+    table = QUANT_FORMATS[qtype].table
+    tables = [tvm.runtime.tensor(np.ascontiguousarray(table()))] if table else []
     out = tvm.runtime.empty((1, 1, n), "float32")
-    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), *tables, out)
     _check(out.numpy(), x, deq)
 
 

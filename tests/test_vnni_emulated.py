@@ -7,7 +7,7 @@ CPU: `int8_vnni._vpdpbusd`, the one AVX-512 VNNI intrinsic, is replaced by the s
 arithmetic in plain TIR (unsigned by signed byte products widened to int32, each lane's 4
 summed, no saturation: the instruction's definition), which LLVM lowers onto 256-bit
 vectors; so are the two AVX-512 instructions of the i-quant row kernels, the 512-bit
-`vpshufb` of `int8_table_row` (two 256-bit ones) and the `vpgatherdd` of `int8_vnni_grid`
+`vpshufb` of `int8_table_row` (two 256-bit ones) and the `vpgatherdd` of `int8_grid_row`
 (a vector-indexed load). What this cannot show: the instructions themselves and the AVX-512
 code generation.
 
@@ -28,9 +28,9 @@ from tallow.compiler.quant import QUANT_FORMATS
 from tallow.compiler.quant.iquants.int8_groups import table_codes
 from tallow.schedules.cpu import (
     int8_gemv,
+    int8_grid_row,
     int8_table_row,
     int8_vnni,
-    int8_vnni_grid,
     int8_vnni_legacy,
     int8_vnni_row,
 )
@@ -69,7 +69,7 @@ def _lookup_on_avx2(table, indices):
 
 
 def _gather_in_plain_tir(table, indices):
-    """`int8_vnni_grid._gather` (`vpgatherdd`): the 4 bytes at 4 * index, 16 times."""
+    """`int8_grid_row._gather` (`vpgatherdd`): the 4 bytes at 4 * index, 16 times."""
     four = tirx.Shuffle([indices] * 4, [tirx.const(i // 4, "int32") for i in range(64)])
     offsets = four * tirx.Broadcast(tirx.const(4, "int32"), 64) + tirx.Ramp(
         tirx.const(0, "int32"), 1, 64
@@ -79,10 +79,10 @@ def _gather_in_plain_tir(table, indices):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row, int8_table_row, int8_vnni_grid):
+    for module in (int8_vnni, int8_vnni_legacy, int8_vnni_row, int8_table_row, int8_grid_row):
         monkeypatch.setattr(module, "_vpdpbusd", _vpdpbusd_in_plain_tir)  # each holds its own
     monkeypatch.setattr(int8_table_row, "_lookup", _lookup_on_avx2)
-    monkeypatch.setattr(int8_vnni_grid, "_gather", _gather_in_plain_tir)
+    monkeypatch.setattr(int8_grid_row, "_gather", _gather_in_plain_tir)
 
 
 def _k(qtype: str, legacy: int, blocks: int) -> int:
@@ -101,7 +101,7 @@ def test_vnni_row_kernel(emulated, qtype):
 
 
 def test_vnni_grid_row_kernel(emulated):
-    """`decode`'s VNNI one-row kernel for iq3_s (`int8_vnni_grid`): 1 and 3 super-blocks, the
+    """`decode`'s VNNI one-row kernel for iq3_s (`int8_grid_row`): 1 and 3 super-blocks, the
     grid table passed as the kernel's third input."""
     for k in (256, 768):
         blocks, deq = _weights("iq3_s", 32, k, seed=41)

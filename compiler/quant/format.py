@@ -62,12 +62,12 @@ class TableNibbles:
 
 
 @dataclass(frozen=True)
-class GridPairs:
+class GridCodes:
     """A lattice format whose 32-weight groups are 8 entries of 4 unsigned grid bytes plus a
-    sign bit per weight (iq3_s), as the VNNI row kernel (`schedules.cpu.int8_vnni_grid`)
-    reads two groups at a time: `indices(row, p)` the 16 grid entries' indices (int32x16) of
-    groups 2p and 2p + 1 of a block, their 8 sign bytes at `signs_at + 8 p` (bit j: weight
-    j), and `group_scales(row)` the block's group scales as a float32 vector."""
+    sign bit per weight (iq3_s), as the row kernels of `schedules.cpu.int8_grid_row` read it:
+    `indices(row, g, count)` the grid indices (int32 x 8 count) of groups g .. g + count - 1
+    of a block, their sign bytes at `signs_at + 4 g` (bit j: weight j), and
+    `group_scales(row)` the block's group scales as a float32 vector."""
 
     indices: Callable
     signs_at: int
@@ -110,7 +110,7 @@ class Int8Codes:
     # bits: bits 2j, 2j + 1 for group j); the VNNI tiles transpose 3 runs per 4 groups
     six_bit_at: tuple[int, int] | None = None
     table_nibbles: TableNibbles | None = None
-    grid_pairs: GridPairs | None = None
+    grid_codes: GridCodes | None = None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import add, reduce_lanes
-from . import int8_table_row, int8_vnni_grid, int8_vnni_row
+from . import int8_grid_row, int8_table_row, int8_vnni_row
 from .int8_codes import LANES, Row, codes_of, group, row_kernels_only
 from .int8_ops import (
     MULT_LANES,
@@ -82,8 +82,8 @@ def gemv_kernel(
         from .int8_batched import batched_kernel
 
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
-    if vnni and int8_vnni_grid.applies(qtype, k):
-        return int8_vnni_grid.row_kernel(qtype, n_out, k)
+    if int8_grid_row.applies(qtype, k):
+        return int8_grid_row.row_kernel(qtype, n_out, k, vnni)
     if vnni and int8_vnni_row.applies(qtype, k) and not row_kernels_only(qtype):
         return int8_vnni_row.row_kernel(qtype, n_out, k)
     if int8_table_row.applies(qtype) and int8_vnni_row.applies(qtype, k):

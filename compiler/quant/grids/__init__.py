@@ -10,7 +10,7 @@ why that way).
 
 What runs: on the CPU, the int8-activation kernels of `decode` and `batch_decode` (the AVX2
 row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights;
-on AVX-512 VNNI, iq3_s's `decode` takes `schedules.cpu.int8_vnni_grid`, `GridPairs`), on
+iq3_s's `decode` takes `schedules.cpu.int8_grid_row`'s, on both levels: `GridCodes`), on
 AVX-512 VNNI prefill too (`int8_prefill`'s tiles, the grid passed along), and the float
 fused dequantize-matmul elsewhere (AVX2 prefill, the embedding); not the MoE grouped kernels
 nor the GPU schedules, which refuse these types when compiling.
@@ -35,7 +35,7 @@ from functools import partial
 from gguf import GGMLQuantizationType as GGML
 
 from .. import lowbit  # noqa: F401 - the older families first: they list before ours
-from ..format import GridPairs, Int8Codes, Lazy, QuantFormat
+from ..format import GridCodes, Int8Codes, Lazy, QuantFormat
 from ..registry import register_format
 from . import numpy_codec as codec
 from .tables import grid_bytes
@@ -50,7 +50,7 @@ NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it 
 
 
 def _grid_format(
-    name, ggml_type, type_size, no_quantizer, int8=True, halves=False, grid_pairs=None
+    name, ggml_type, type_size, no_quantizer, int8=True, halves=False, grid_codes=None
 ):
     return QuantFormat(
         gpu=False,
@@ -64,7 +64,7 @@ def _grid_format(
         table=partial(grid_bytes, name),
         no_quantizer=no_quantizer,
         int8=Int8Codes(
-            group=Lazy(_INT8, name), signed=True, split_halves=halves, grid_pairs=grid_pairs
+            group=Lazy(_INT8, name), signed=True, split_halves=halves, grid_codes=grid_codes
         )
         if int8
         else None,
@@ -77,9 +77,7 @@ for _fmt in (
         GGML.IQ3_S,
         110,
         NOT_WRITTEN,
-        grid_pairs=GridPairs(
-            Lazy(_INT8, "iq3_s_pair_indices"), 74, Lazy(_INT8, "iq3_s_group_scales")
-        ),
+        grid_codes=GridCodes(Lazy(_INT8, "iq3_s_indices"), 74, Lazy(_INT8, "iq3_s_group_scales")),
     ),
     _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
     _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX, halves=True),

@@ -1,5 +1,6 @@
 """The lattice i-quants as 32-weight int8-kernel groups (`schedules.cpu.int8_codes.Group`),
-for the AVX2 row kernels of `decode` and `batch_decode` (`int8_codes.row_kernels_only`).
+for the AVX2 row kernels of `decode` and `batch_decode` (`int8_codes.row_kernels_only`) and
+prefill's VNNI tiles; iq3_s's vector decode for `schedules.cpu.int8_grid_row` at the end.
 
 A group's codes are its grid values with their signs, as int8 (`signed`, as the other
 i-quants'): the kernel multiplies them with q8_0's sign trick. Each entry's grid values are
@@ -137,14 +138,15 @@ def _every(period: int, times: int, lanes: int):
     return ramp % tirx.Broadcast(_c(period), lanes) * tirx.Broadcast(_c(times), lanes)
 
 
-def iq3_s_pair_indices(row: Row, p):
-    """int32x16: the grid indices of groups 2p and 2p + 1 (`GridPairs`): 8 low bytes each
-    from 2 + 8g, the 9th bit e of byte 66 + g for entry e. The two high bytes are bits 8-23
-    of the 32-bit word at 65 + 2p, so entry i's bit is bit 8 + i of it: one broadcast word,
-    one variable shift and one ternary logic op (a byte spread of them took 4 more)."""
-    low = tirx.Cast("int32x16", row.vec(2 + 16 * p, 16))
-    word = tirx.Broadcast(tirx.reinterpret("int32", row.vec(65 + 2 * p, 4)), 16)
-    return low | ((word >> tirx.Ramp(_c(0), 1, 16)) & tirx.Broadcast(_c(256), 16))
+def iq3_s_indices(row: Row, g, count: int):
+    """int32 x 8 count: the grid indices of groups g .. g + count - 1 (`GridCodes`): 8 low
+    bytes each from 2 + 8g, the 9th bit e of byte 66 + g for entry e. The high bytes are
+    bits 8 and up of the 32-bit word at 65 + g, so entry i's bit is bit 8 + i of it: one
+    broadcast word, one variable shift and one ternary logic op (a byte spread took 4 more)."""
+    lanes = 8 * count
+    low = tirx.Cast(f"int32x{lanes}", row.vec(2 + 8 * g, lanes))
+    word = tirx.Broadcast(tirx.reinterpret("int32", row.vec(65 + g, 4)), lanes)
+    return low | ((word >> tirx.Ramp(_c(0), 1, lanes)) & tirx.Broadcast(_c(256), lanes))
 
 
 def iq3_s_group_scales(row: Row):
