@@ -133,11 +133,22 @@ def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_gemv_matches_numpy(qtype):
-    """Every format, one static row (`decode`): the single-row kernel."""
+    """Every format, one static row (`decode`): the single-row kernel. 96 rows are 6 tasks
+    of 16, which take their rows from two regions of the weight (`int8_ops.streamed_row`)."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
-    n = 48
+    n = 96
     blocks, deq = _weights(qtype, n, k, seed=1)
     x = _activations(1, k, seed=2)
+    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype), x, deq)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4k"])
+def test_row_kernel_with_one_region(qtype):
+    """48 rows are 3 tasks of 16, which do not split in two regions: rows in plain order
+    (the legacy and the K-quant AVX2 kernels)."""
+    k, n = 512, 48
+    blocks, deq = _weights(qtype, n, k, seed=3)
+    x = _activations(1, k, seed=4)
     _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype), x, deq)
 
 

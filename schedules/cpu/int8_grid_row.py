@@ -27,9 +27,8 @@ from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
 from .int8_codes import LANES, Row, codes_of
-from .int8_ops import MULT_LANES, N_CHUNK, dot, quantize_macro
+from .int8_ops import AHEAD, MULT_LANES, N_CHUNK, dot, quantize_macro, row_streams, streamed_row
 from .int8_vnni import COLS, _vpdpbusd
-from .int8_vnni_row import AHEAD, STREAMS
 
 PAIR = 2 * LANES
 # byte i of a spread sign vector is tested against bit i % 8
@@ -123,7 +122,7 @@ def row_kernel(qtype: str, n_out: int, k: int, vnni: bool = True):
     rb = fmt.row_bytes(k)
     size = len(fmt.table())
     quantize = quantize_macro(groups, 1)
-    streams = STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
+    streams = row_streams(n_out)
     tasks = n_out // N_CHUNK // streams
     lines = -(-rb // 64)  # a row's cache lines, asked for `AHEAD` bytes early
 
@@ -149,7 +148,7 @@ def row_kernel(qtype: str, n_out: int, k: int, vnni: bool = True):
         for nc in T.parallel(tasks):
             for ni, si in T.grid(N_CHUNK, streams):
                 with T.sblock("dot"):
-                    n = T.meta_var((si * tasks + nc) * N_CHUNK + ni)
+                    n = T.meta_var(streamed_row(nc, ni, si, n_out, streams))
                     T.reads(w[n, 0:rb], table[0:size], xq[0, :], xr[0], xmf[:])
                     T.writes(out[0, 0, n])
                     for j in T.unroll(lines):

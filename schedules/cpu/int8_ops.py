@@ -46,6 +46,22 @@ from .int8_codes import LANES, codes_of
 MULT_LANES = 16  # int16 lanes of xm per group: pmaddwd's second operand
 M_MAX = 32767  # the largest group's multiplier
 N_CHUNK = 16  # output columns per parallel task
+# The one-row kernels' memory access (`int8_vnni_row`'s doc has the measurements): each row's
+# cache lines are asked for AHEAD bytes early, into L2 only (`tir_common.STREAM`), and each
+# parallel task takes its rows from STREAMS regions of the weight, a row from each in turn,
+# so a core follows that many address streams.
+AHEAD = 16384  # bytes
+STREAMS = 2
+
+
+def row_streams(n_out: int) -> int:
+    """Regions a one-row kernel's tasks take their rows from (1 where they do not split)."""
+    return STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
+
+
+def streamed_row(nc, ni, si, n_out: int, streams: int):
+    """The weight row that task `nc` computes as its `ni`-th row of region `si`."""
+    return (si * (n_out // N_CHUNK // streams) + nc) * N_CHUNK + ni
 
 
 def offset_halves(qtype: str) -> int:

@@ -60,15 +60,19 @@ from tallow.compiler.quant.registry import get_format
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
 from . import int8_table_row, int8_vnni_legacy
 from .int8_codes import LANES, Row, codes_of, group
-from .int8_ops import MULT_LANES, N_CHUNK, offset_halves, quantize_macro
+from .int8_ops import (
+    AHEAD,
+    MULT_LANES,
+    N_CHUNK,
+    offset_halves,
+    quantize_macro,
+    row_streams,
+    streamed_row,
+)
 from .int8_vnni import COLS, _vpdpbusd
 
 PAIR = 2 * LANES  # weights per vpdpbusd: two groups
 HALF = LANES // 2  # activations reordered together
-AHEAD = 16384  # bytes
-# Each parallel task takes its rows from this many regions of the weight, a row from each in
-# turn: more concurrent streams per core for the prefetchers (see the module doc).
-STREAMS = 2
 
 
 def _c(i: int):
@@ -127,7 +131,7 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD, vnni: bool = 
         g = c // 2
         return (g // 4 * 4 + g % 2 * 2 + g // 2 % 2) * 2 + c % 2
 
-    streams = STREAMS if (n_out // N_CHUNK) % STREAMS == 0 else 1
+    streams = row_streams(n_out)
     # the K-quants' loop prefetches as it goes; the others ask for a row's lines up front
     row_lines = 0
     if table and not vnni:
@@ -172,7 +176,7 @@ def row_kernel(qtype: str, n_out: int, k: int, ahead: int = AHEAD, vnni: bool = 
         for nc in T.parallel(n_out // N_CHUNK // streams):
             for ni, si in T.grid(N_CHUNK, streams):
                 with T.sblock("dot"):
-                    row = T.meta_var((si * (n_out // N_CHUNK // streams) + nc) * N_CHUNK + ni)
+                    row = T.meta_var(streamed_row(nc, ni, si, n_out, streams))
                     T.reads(w[row, 0:rb], xp[0, :], xr[0], sums[:], xmf[:])
                     T.writes(out[0, 0, row])
                     for j in T.unroll(row_lines):
