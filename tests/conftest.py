@@ -14,8 +14,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Under pytest-xdist (the README runs `-n 2`: most of the suite's time is TVM compiling on one
 # core) each worker gets one kernel thread, so two workers never fight for the two cores with
 # spinning thread pools. A user's own TVM_NUM_THREADS wins.
+# torch's OpenMP pool too: two threads per worker spin-wait on a core the other worker holds.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TVM_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # gguf.quants.dequantize, the kernels' oracle, for the GGML types the package lacks (Q1_0)
 import ggml_extra_types  # noqa: E402, F401
@@ -25,6 +27,33 @@ from hygiene_server import hygiene_bundle, hygiene_client, hygiene_server  # noq
 from scripted_server import qwen, qwen_client  # noqa: E402, F401
 
 from tiny_models import make_model  # noqa: E402
+
+# The files that take longest (seconds of one worker, summed over a file's tests, in a
+# `--durations=0` run of the whole suite on 2 workers, 2026-12-07), longest first. With
+# `--dist loadfile` each file goes whole to the next free worker in collection order
+# (`--no-loadscope-reorder` in pyproject.toml): these first, then the rest in name order, so
+# the run ends on short files with both workers busy, not on one worker with a long file
+# (the default order, by test count, left one 250 s file to the end).
+LONG_FILES = [
+    "test_gguf.py",  # 361 s
+    "test_gemma_real.py",  # 257
+    "test_tp_families.py",  # 255
+    "test_quant_model.py",  # 254
+    "test_tensor_parallel.py",  # 251
+    "test_tp_moe.py",  # 225
+    "test_models_moe.py",  # 217
+    "test_int8_decode.py",  # 213
+    "test_fuzz_soak.py",  # 201
+    "test_oclgrind.py",  # 143
+    "test_models_gemma.py",  # 121
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Items of `LONG_FILES` first, longest file first (a stable sort: each file's own
+    order, and the other files', stays as collected)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
 @pytest.fixture(scope="session")
