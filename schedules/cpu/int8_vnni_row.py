@@ -33,7 +33,7 @@ few L1 fill buffers until the line comes, which caps the lines in flight. Two th
 -> 23.5-24.5, SmolLM2's 9.6-10.0 -> 6.4-7.7 (`benchmarks/decode_profile.py`). 64 KiB ahead
 measured the same as 16 in a model's step; `prefetcht2` for the attention's KV pages and
 the batched tiles' rows changed nothing measurable (kept: t0 in attention, t2 in the tiles).
-Then two memory streams per task (`STREAMS`: a task's rows alternate between the first and
+Then two memory streams per task (`int8_ops.STREAMS`: a task's rows alternate between the first and
 the second half of the weight, so each core follows two address streams): Llama-3.2-1B's
 step, 7 interleaved rounds, 39.8-44.9 (median 41.5) -> 37.2-38.6 ms (37.7; one outlier at
 48.8 left out); four streams 38.0-40.6.
