@@ -6,6 +6,12 @@
     .venv/bin/python benchmarks/cpu_vs_llamacpp.py --shape all [--rounds 3] \\
         [--artifact-dir /work/shapes/artifacts]
 
+llama.cpp's side imports `llama_cpp` from wherever Python finds it first: to compare with an
+AVX2-only build of it (what an AVX2 CPU runs) on a machine with AVX-512, install one with
+`CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF ..." pip install --target DIR`
+(the whole line: docs/benchmarks.md) and run with `PYTHONPATH=DIR`; compile tallow's side
+`--cpu x86-64-v3` into `--artifact-dir` first.
+
 `--shape NAME` (repeatable; `all`: every name of bench_files.SHAPE_NAMES, the random Q4_K_M
 stand-ins of real shapes plus the real Gemma 3 270M and SmolLM2 Q4_1 files) and `--gguf FILE`
 add files; with neither, the embedded SmolLM2. Each file is compiled once (kept in

@@ -77,12 +77,12 @@ COLUMNS_IN_DECODE = [q for q in COLUMN_FORMATS if QUANT_FORMATS[q].int8.column_t
 @needs_avx2
 @pytest.mark.parametrize("qtype", COLUMN_FORMATS)
 def test_avx2_prefill_matches_numpy(qtype):
-    """AVX2 column tiles over the tokens: below one 128-row tile (3, 37), a whole one plus a
-    rest (133), 64 output columns (8 parallel blocks). Each row is the product of its rounded
-    activations; where batch_decode takes the column tiles too, bit for bit its rows; and a
-    row's bits do not depend on the tile it lands in or its place there (the last 3 rows of
-    133 tokens sit in the second tile, alone they are the first tile's first rows:
-    `--deterministic` prefills a prompt in chunks)."""
+    """AVX2 column tiles over the tokens: below one tile of `ROWS` rows (3, 37), a whole one
+    plus a rest (`ROWS + 5`), 64 output columns (8 parallel blocks). Each row is the product of
+    its rounded activations; where batch_decode takes the column tiles too, bit for bit its
+    rows; and a row's bits do not depend on the tile it lands in or its place there (the last 3
+    rows of `ROWS + 5` tokens sit in the second tile, alone they are the first tile's first
+    rows: `--deterministic` prefills a prompt in chunks)."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=41)
@@ -90,9 +90,10 @@ def test_avx2_prefill_matches_numpy(qtype):
     decode = None
     if qtype in COLUMNS_IN_DECODE:
         decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=False))
-    x_all = _activations(133, k, seed=42)
+    longest = int8_prefill_columns.ROWS + 5
+    x_all = _activations(longest, k, seed=42)
     results = {}
-    for tokens in (3, 37, 133):
+    for tokens in (3, 37, longest):
         x = x_all[-tokens:]  # the last rows: each count puts a row in another tile position
         out = tvm.runtime.empty((1, tokens, n), "float32")
         lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)
@@ -107,8 +108,8 @@ def test_avx2_prefill_matches_numpy(qtype):
             rows = tvm.runtime.empty((tokens, 1, n), "float32")
             decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
             np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
-    np.testing.assert_array_equal(results[3], results[133][-3:])
-    np.testing.assert_array_equal(results[37], results[133][-37:])
+    np.testing.assert_array_equal(results[3], results[longest][-3:])
+    np.testing.assert_array_equal(results[37], results[longest][-37:])
 
 
 @needs_vnni

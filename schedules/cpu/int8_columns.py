@@ -220,12 +220,13 @@ def _pmaddwd(pairs, m):
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, m)
 
 
-def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
+def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool = False):
     """A macro: columns `n0..n0+7` for `rows` (<= `max_rows`) sequences from `r0`, the whole K.
 
     Arguments as `int8_batched`'s tiles: the weight buffer and the quantized activations
     (xq, xm, xr, xs), then `out`. Prefill (`int8_prefill_columns`) takes more rows per tile
-    than decode, to share each group's transpose among them.
+    than decode, to share each group's transpose among them, and reads xq and xm group-major
+    (`group_major`, see `int8_ops.quantize_macro`).
     """
     halves = offset_halves(qtype)
     signed = codes_of(qtype).signed
@@ -249,7 +250,8 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
 
     def broadcast(xq, row, g, s):
         """Activations 4s..4s+3 of the group, in every 32-bit lane."""
-        word = tirx.reinterpret("int32", xq.vload([row, g * LANES + s * 4], "int8x4"))
+        at = [g, row, s * 4] if group_major else [row, g * LANES + s * 4]
+        word = tirx.reinterpret("int32", xq.vload(at, "int8x4"))
         return tirx.reinterpret("int8x32", tirx.Broadcast(word, COLS))
 
     def product(ct, s, x):
@@ -276,8 +278,9 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
 
     def update(ct, sc, xq, xm, xs, row, g):
         """Per column: this group's products, and its offsets times the activation sums."""
+        m_at = [g, row, 0] if group_major else [row, g * MULT_LANES]
         if in_int32:
-            m = xm.vload([row, g * MULT_LANES], "int16x16")
+            m = xm.vload(m_at, "int16x16")
         else:  # pmaddwd by ones; the multiplier in float below
             m = tirx.Broadcast(tirx.const(1, "int16"), MULT_LANES)
         dots = None
@@ -292,7 +295,7 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS):
             dots = scaled if dots is None else dots + scaled
             offs = shift if offs is None else offs + shift
         if not in_int32:
-            dots = dots * tirx.Broadcast(tirx.Cast("float32", xm[row, g * MULT_LANES]), COLS)
+            dots = dots * tirx.Broadcast(tirx.Cast("float32", xm[tuple(m_at)]), COLS)
         return dots, offs
 
     @T.macro

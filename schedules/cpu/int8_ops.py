@@ -95,12 +95,16 @@ def round_away(v, count: int):
     )
 
 
-def quantize_macro(groups: int, halves: int):
+def quantize_macro(groups: int, halves: int, group_major: bool = False):
     """A macro quantizing row `r` of `x` ([rows, 1, K]) into xq, xm, xr and xs.
 
     Two passes over the row's groups: each group's `d` (kept in a per-row scratch buffer, so
     rows can run in parallel), then, once the row's largest `d` is known, the multipliers and
     the codes against the scale they give.
+
+    `group_major`: xq is `[groups, rows, LANES]` and xm `[groups, rows, MULT_LANES]` instead of
+    `[rows, K]` and `[rows, groups * MULT_LANES]`, so that a tile walking many rows of one group
+    reads them contiguously (`int8_prefill_columns`).
     """
 
     @T.macro
@@ -128,10 +132,14 @@ def quantize_macro(groups: int, halves: int):
             for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
                 qs[j] = T.Cast("int32", round_away(x[r, 0, g * LANES + j] * scale[0], 1))
             q: T.let[T.int32x32] = qs.vload([0], "int32x32")
-            xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
-            xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
-                T.Cast("int16", m), MULT_LANES
-            )
+            if group_major:
+                xq[g, r, T.Ramp(0, 1, LANES)] = T.Cast("int8x32", q)
+                xm[g, r, T.Ramp(0, 1, MULT_LANES)] = T.Broadcast(T.Cast("int16", m), MULT_LANES)
+            else:
+                xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
+                xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
+                    T.Cast("int16", m), MULT_LANES
+                )
             if halves == 1:
                 xs[g, r] = step * T.Cast("float32", reduce_lanes(q, 32, add))
             else:

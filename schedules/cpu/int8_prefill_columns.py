@@ -12,11 +12,21 @@ it, one `pmaddubsw` per 4 weights, 8 columns and row.
   `batch_decode` uses for the same row.
 * Output columns run on the thread pool in blocks of 8, each block over all tokens in tiles
   of `ROWS` rows, so that a group's transpose (24 shuffles, more for the formats whose codes
-  are decoded column by column) is shared by 128 rows instead of decode's 16. 500 tokens,
+  are decoded column by column) is shared by 256 rows instead of decode's 16. 500 tokens,
   one thread, CPU time, best of 3 interleaved rounds (AMD EPYC Zen 3, machine shared), 16 /
   32 / 64 / 128 rows a tile: q4k 1024 -> 9728 110 / 99 / 84 / 84 ms, q5_0 896 -> 9728
   105 / 89 / 80 / 82 ms, q6k 4864 -> 896 81 / 75 / 67 / 56 ms, q4k 3072 -> 5120
-  177 / 158 / 141 / 132 ms. The tile's sums (2 x 128 x 8 floats) stay on the stack.
+  177 / 158 / 141 / 132 ms; with the layout below (Intel Xeon, x86-64-v3 build), 64 / 128 /
+  256: q4k 3072 -> 16384 340 / 305 / 290 ms, q6k 8192 -> 3072 250 / 228 / 201 ms. The
+  tile's sums (2 x 256 x 8 floats, 16 KiB) stay on the stack.
+* The quantized activations are kept group-major (`xq[group, token, 32]`, `xm` alike), so a
+  tile walking its rows through one group reads 32 contiguous bytes a row. Token-major, each
+  row of a group was 3-8 KiB from the last (a new page every row or two, and at 3B shapes
+  the 256 rows' codes and multipliers, 0.8 MiB, outgrew a Zen 3's L2): Llama 3.2 3B's
+  shapes, 500 tokens, one thread, CPU time, best of 3 interleaved (Intel Xeon, x86-64-v3
+  build, 128-row tiles both), token-major -> group-major, ms: q4k q/k/v 156 -> 97, o 95 ->
+  59, gate/up 488 -> 305, down 309 -> 169; q6k 201 -> 123, 123 -> 75, 626 -> 386, 359 ->
+  205; q5_0 and q8_0 the same 1.6-1.85x. Results bit for bit the same.
 * Each row and column sums its groups in order into one float whatever the tile's row count
   or the row's place in it: a token's result does not depend on the chunk it is prefilled
   in (`--deterministic`), and it is bit for bit what `batch_decode` gives the same row for
@@ -51,7 +61,7 @@ from .int8_codes import LANES, row_kernels_only
 from .int8_ops import MULT_LANES, offset_halves, quantize_macro
 
 COLS = int8_columns.COLS  # output columns per tile and per parallel task
-ROWS = 128  # token rows sharing one transposed group of codes
+ROWS = 256  # token rows sharing one transposed group of codes
 
 
 def supported(qtype: str) -> bool:
@@ -74,8 +84,8 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     groups = k // LANES
     rb = get_format(qtype).row_bytes(k)
     halves = offset_halves(qtype)
-    quantize = quantize_macro(groups, halves)
-    tile = int8_columns.tile_macro(qtype, groups, rows)
+    quantize = quantize_macro(groups, halves, group_major=True)
+    tile = int8_columns.tile_macro(qtype, groups, rows, group_major=True)
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
@@ -86,20 +96,24 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
         # the decode macros' view: one row per token
         rows_in = T.decl_buffer((tokens, T.int64(1), k), "float32", data=x.data)
         rows_out = T.decl_buffer((tokens, T.int64(1), n_out), "float32", data=out.data)
-        xq = T.sblock_alloc_buffer((tokens, k), "int8")
-        xm = T.sblock_alloc_buffer((tokens, groups * MULT_LANES), "int16")
+        xq = T.sblock_alloc_buffer((groups, tokens, LANES), "int8")
+        xm = T.sblock_alloc_buffer((groups, tokens, MULT_LANES), "int16")
         xr = T.sblock_alloc_buffer((tokens,), "float32")
         xs = T.sblock_alloc_buffer((groups * halves, tokens), "float32")
         for r in T.parallel(tokens):
             with T.sblock("quantize"):
                 T.reads(rows_in[r, 0, 0:k])
-                T.writes(xq[r, 0:k], xm[r, 0 : groups * MULT_LANES], xr[r], xs[:, r])
+                T.writes(xq[:, r, :], xm[:, r, :], xr[r], xs[:, r])
                 quantize(rows_in, r, xq, xm, xr, xs)
         for nb in T.parallel(n_out // COLS):
             for rt in range((tokens + rows - 1) // rows):
                 with T.sblock("dot_columns"):
                     T.reads(
-                        w[nb * COLS : nb * COLS + COLS, 0:rb], xq[:, :], xm[:, :], xr[:], xs[:, :]
+                        w[nb * COLS : nb * COLS + COLS, 0:rb],
+                        xq[:, :, :],
+                        xm[:, :, :],
+                        xr[:],
+                        xs[:, :],
                     )
                     T.writes(rows_out[:, 0, nb * COLS : nb * COLS + COLS])
                     r0: T.let[T.int64] = rt * rows
