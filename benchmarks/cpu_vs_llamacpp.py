@@ -75,7 +75,9 @@ class TallowSide:
         r.add_sequence(self._seq)
         try:
             t = time.perf_counter()
-            logits = r.forward([(self._seq, prompt)])
+            # in chunks, as the engine prefills (and llama.cpp, n_batch=512)
+            for begin in range(0, len(prompt), r.prefill_chunk_size):
+                logits = r.forward([(self._seq, prompt[begin : begin + r.prefill_chunk_size])])
             prefill = len(prompt) / (time.perf_counter() - t)
             token = int(np.argmax(logits[0]))
             t = time.perf_counter()

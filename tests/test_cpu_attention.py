@@ -166,18 +166,33 @@ def test_decode_is_batch_invariant(target):
         np.testing.assert_array_equal(alone[1][0], together[1][b])
 
 
+# (h_kv, h_q, d): query heads per KV head 3 (SmolLM2), 4, 6 (blocks of 3), 5 (one at a time:
+# no divisor up to MAX_HEADS), 1; head_dim 64 and 128
+PREFILL_HEADS = [(3, 9, 64), (2, 8, 128), (1, 6, 64), (1, 5, 64), (4, 4, 64)]
+
+
+def test_heads_per_block():
+    assert [ca.heads_per_block(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [
+        1, 2, 3, 4, 1, 3, 1, 4, 4,
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("causal", [1, 0])
-def test_prefill_ragged_matches_numpy(target, causal):
+@pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
+def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d):
+    """Every row of every head, against numpy: the heads of a KV head go through the kernel
+    together (`heads_per_block`), and the rows in zigzag order."""
     rng = np.random.default_rng(1)
     q_lens, kv_lens = [5, 1, 33], [5, 4, 40]  # kv longer than q: queries are the last rows
-    q = rng.standard_normal((sum(q_lens), H_Q, D)).astype("float32")
-    k = rng.standard_normal((sum(kv_lens), H_KV, D)).astype("float32")
-    v = rng.standard_normal((sum(kv_lens), H_KV, D)).astype("float32")
+    q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
+    k = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
+    v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
     q_ptr, kv_ptr = np.cumsum([0, *q_lens]), np.cumsum([0, *kv_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_ragged(H_KV, H_Q, D, "float32"), target)
+    kernel = _build(ca._prefill_ragged(h_kv, h_q, d, "float32"), target)
+    sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(k, "float32"), _t(v, "float32"), _t(kv_ptr),
-           _t(np.zeros(len(q))), _t(np.zeros(3)), out, lse, causal, 0, 1.0, 1e4, SM)  # fmt: skip
+           _t(np.zeros(len(q))), _t(np.zeros(3)), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
     for b in range(3):
         kb, vb = k[kv_ptr[b] : kv_ptr[b + 1]], v[kv_ptr[b] : kv_ptr[b + 1]]
         for i in range(q_lens[b]):
@@ -188,16 +203,18 @@ def test_prefill_ragged_matches_numpy(target, causal):
 
 
 @pytest.mark.parametrize("causal", [1, 0])
-def test_prefill_paged_matches_numpy(target, causal):
+@pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
+def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d):
     rng = np.random.default_rng(2)
     q_lens, kv_lens = [3, 20, 1], [35, 20, 0]  # the last sequence has nothing cached yet
-    pool, indptr, values, last, rows = _paged(rng, kv_lens)
-    q = rng.standard_normal((sum(q_lens), H_Q, D)).astype("float32")
+    pool, indptr, values, last, rows = _paged(rng, kv_lens, h_kv, d)
+    q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
     q_ptr = np.cumsum([0, *q_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_paged(H_KV, H_Q, D, "float32", PAGE), target)
+    kernel = _build(ca._prefill_paged(h_kv, h_q, d, "float32", PAGE), target)
+    sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
-           _t(np.zeros(3)), _t(np.zeros(len(q))), out, lse, causal, 0, 1.0, 1e4, SM)  # fmt: skip
+           _t(np.zeros(3)), _t(np.zeros(len(q))), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
     for b in range(3):
         for i in range(q_lens[b]):
             visible = kv_lens[b] - q_lens[b] + i + 1 if causal else kv_lens[b]

@@ -45,16 +45,37 @@ from .attention_decode import (
     window_start,
 )
 
+MAX_HEADS = 4  # query heads of one KV head attended together (see `_attend`)
 
-def _attend(paged: bool, d: int, page_size: int, dtype: str, cap=None):
-    """The online-softmax loop of one query row (head `h`) over key rows `lo`..`n`, prefill.
 
+def heads_per_block(group: int) -> int:
+    """Query heads `_attend` takes at once: the largest divisor of the GQA group (query heads
+    per KV head) up to `MAX_HEADS`."""
+    return max(h for h in range(1, MAX_HEADS + 1) if group % h == 0)
+
+
+def chains_for(heads: int) -> int:
+    """Independent FMA chains per head and key row in the dot products: a row's 16-32
+    FMAs in one chain wait on each other's latency; 4 chains in all keep the unit busy
+    without spilling the accumulators."""
+    return max(1, 4 // heads)
+
+
+def _attend(paged: bool, d: int, page_size: int, dtype: str, heads: int, cap=None):
+    """The online-softmax loop of one query row for query heads `h0..h0+heads-1`, which share
+    key/value head `hk`, over key rows `lo`..`n`, prefill.
+
+    The heads go together so that each key and value vector loaded serves all of them (GQA
+    models have 2-8 query heads per KV head): one head at a time, each FMA had two loads
+    (the query or the output accumulator, and the key or value) and the loads bound it.
     Paged: row j lives in page `values[base + j // page_size]`, slot `j % page_size` of
     `kv` ([pages, 2, h_kv, page_size, d]); ragged: `k[base + j]`, `v[base + j]`.
-    State: st[0] running max, st[1] running sum; `o_acc` the unnormalised output.
+    State per head: st[4j] running max, st[4j+1] running sum, st[4j+2] the tile's max,
+    st[4j+3] the rescale; `o_acc` the unnormalised outputs.
     """
     nd = d // LANES
     qscale = 1.0 if cap is not None else LOG2E
+    chains = chains_for(heads)
 
     def cached(kv, which: int, values, base, hk, row, col):
         """Element `col` of key (which=0) or value (1) row `row`, as float32."""
@@ -63,59 +84,81 @@ def _attend(paged: bool, d: int, page_size: int, dtype: str, cap=None):
             return kv[page, which, hk, row % page_size, col].astype("float32")
         return kv[base + row, hk, col].astype("float32")
 
+    def dot(acc, j: int, r):
+        """Head `j`'s dot product with key row `r` of the tile: its chains added, then lanes."""
+        total = None
+        for c in range(chains):
+            part = acc[tvm.tirx.Ramp(((j * TILE + r) * chains + c) * LANES, 1, LANES)]
+            total = part if total is None else total + part
+        return reduce_lanes(total, LANES, add)
+
     @T.macro
-    def attend(q, qi, h, sm_scale, lo, n, k, v, values, base, hk, output, lse):
-        o_acc, qv, acc, sc, st = _state(d)
-        st[0] = T.float32(NEG)
-        st[1] = T.float32(1.0)
-        for i in T.vectorized(d):
-            o_acc[i] = T.float32(0)
-            # log2(e) folds into q, or (soft cap) applies after the cap
-            qv[i] = T.Cast("float32", q[qi, h, i]) * T.abs(sm_scale) * T.float32(qscale)
+    def attend(q, qi, h0, sm_scale, lo, n, k, v, values, base, hk, output, lse):
+        o_acc, qv, acc, sc, st = _state(d, heads, chains)
+        for j in T.unroll(heads):
+            st[j * 4] = T.float32(NEG)
+            st[j * 4 + 1] = T.float32(1.0)
+            for i in T.vectorized(d):
+                o_acc[j * d + i] = T.float32(0)
+                # log2(e) folds into q, or (soft cap) applies after the cap
+                qv[j * d + i] = (
+                    T.Cast("float32", q[qi, h0 + j, i]) * T.abs(sm_scale) * T.float32(qscale)
+                )
         for t in T.serial((n - lo + TILE - 1) // TILE):
             r0: T.let[T.int32] = lo + t * TILE  # the tile's first key row
-            # the tile's dot products interleaved: independent FMA chains, not one
-            for a in T.unroll(TILE):
+            for a in T.unroll(heads * TILE * chains):
                 for ln in T.vectorized(LANES):
                     acc[a * LANES + ln] = T.float32(0)
             for r in T.serial(TILE):  # unrolled, LLVM hoisted all 64 loads and spilled them
                 for c in T.unroll(nd):
-                    for ln in T.vectorized(LANES):
-                        acc[r * LANES + ln] += qv[c * LANES + ln] * cached(
-                            k, 0, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln
-                        )
-            for r in T.unroll(TILE):
-                sc[r] = T.Select(
-                    r0 + r < n,
-                    capped(reduce_lanes(acc[T.Ramp(r * LANES, 1, LANES)], LANES, add), cap),
-                    T.float32(NEG),
-                )
-            st[2] = sc[0]
-            for r in T.serial(1, TILE):
-                st[2] = T.max(st[2], sc[r])
-            if st[2] > st[0]:
-                st[3] = T.exp2(st[0] - st[2])
-                st[1] *= st[3]
-                for i in T.vectorized(d):
-                    o_acc[i] *= st[3]
-                st[0] = st[2]
-            for r in T.vectorized(TILE):
-                # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
-                sc[r] = T.Select(r0 + r < n, exp2(sc[r] - st[0]), T.float32(0))
-            for r in T.serial(TILE):
-                st[1] += sc[r]
-            # each 8-lane slice of the output takes the tile's rows while in a register
+                    for j in T.unroll(heads):
+                        for ln in T.vectorized(LANES):
+                            acc[((j * TILE + r) * chains + c % chains) * LANES + ln] += qv[
+                                j * d + c * LANES + ln
+                            ] * cached(k, 0, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln)
+            for j in T.unroll(heads):
+                for r in T.unroll(TILE):
+                    sc[j * TILE + r] = T.Select(
+                        r0 + r < n, capped(dot(acc, j, r), cap), T.float32(NEG)
+                    )
+                st[j * 4 + 2] = sc[j * TILE]
+                for r in T.serial(1, TILE):
+                    st[j * 4 + 2] = T.max(st[j * 4 + 2], sc[j * TILE + r])
+                if st[j * 4 + 2] > st[j * 4]:
+                    st[j * 4 + 3] = T.exp2(st[j * 4] - st[j * 4 + 2])
+                    st[j * 4 + 1] *= st[j * 4 + 3]
+                    for i in T.vectorized(d):
+                        o_acc[j * d + i] *= st[j * 4 + 3]
+                    st[j * 4] = st[j * 4 + 2]
+                for r in T.vectorized(TILE):
+                    # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
+                    sc[j * TILE + r] = T.Select(
+                        r0 + r < n, exp2(sc[j * TILE + r] - st[j * 4]), T.float32(0)
+                    )
+                for r in T.serial(TILE):
+                    st[j * 4 + 1] += sc[j * TILE + r]
+            # each 8-lane slice of the outputs takes the tile's rows while in a register
             for c in T.unroll(nd):
                 for r in T.unroll(TILE):
-                    for ln in T.vectorized(LANES):
-                        o_acc[c * LANES + ln] += sc[r] * cached(
-                            v, 1, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln
-                        )
-        for i in T.vectorized(d):
-            output[qi, h, i] = T.Cast(dtype, o_acc[i] / st[1])
-        lse[qi, h] = st[0] + T.log2(st[1])
+                    for j in T.unroll(heads):
+                        for ln in T.vectorized(LANES):
+                            o_acc[j * d + c * LANES + ln] += sc[j * TILE + r] * cached(
+                                v, 1, values, base, hk, T.min(r0 + r, n - 1), c * LANES + ln
+                            )
+        for j in T.unroll(heads):
+            for i in T.vectorized(d):
+                output[qi, h0 + j, i] = T.Cast(dtype, o_acc[j * d + i] / st[j * 4 + 1])
+            lse[qi, h0 + j] = st[j * 4] + T.log2(st[j * 4 + 1])
 
     return attend
+
+
+def zigzag(i, n):
+    """Row of the `i`-th task among `n` rows: 0, n-1, 1, n-2, ... Causal rows cost more the
+    later they are; in this order any run of consecutive tasks mixes cheap and dear rows
+    evenly, so the thread pool's contiguous shares of (head block, row) tasks weigh alike
+    even when there are few head blocks (SmolLM2: 3)."""
+    return T.if_then_else(i % 2 == 0, i // 2, n - 1 - i // 2)
 
 
 @T.macro
@@ -133,22 +176,23 @@ PREFILL_RAGGED = "batch_prefill_ragged_kv"
 PREFILL_PAGED = "batch_prefill_paged_kv_cpu"
 
 
-def _state(d: int):
-    """Scratch per query row: output accumulator, scaled query, the tile's partial dot
-    products, its scores, and 4 softmax state values (running max and sum, tile max,
-    rescale factor)."""
+def _state(d: int, heads: int, chains: int):
+    """Scratch per query row, for each of `heads` heads: output accumulator, scaled query,
+    the tile's partial dot products, its scores, and 4 softmax state values (running max and
+    sum, tile max, rescale factor)."""
     return (
-        T.sblock_alloc_buffer((d,), "float32"),
-        T.sblock_alloc_buffer((d,), "float32"),
-        T.sblock_alloc_buffer((TILE * LANES,), "float32"),
-        T.sblock_alloc_buffer((TILE,), "float32"),
-        T.sblock_alloc_buffer((4,), "float32"),
+        T.sblock_alloc_buffer((heads * d,), "float32"),
+        T.sblock_alloc_buffer((heads * d,), "float32"),
+        T.sblock_alloc_buffer((heads * TILE * chains * LANES,), "float32"),
+        T.sblock_alloc_buffer((heads * TILE,), "float32"),
+        T.sblock_alloc_buffer((heads * 4,), "float32"),
     )
 
 
 def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str, window=None, cap=None):
     group = h_q // h_kv
-    attend = _attend(False, d, 1, dtype, cap)
+    heads = heads_per_block(group)
+    attend = _attend(False, d, 1, dtype, heads, cap)
 
     @T.prim_func(s_tir=True)
     def prefill_ragged(
@@ -184,13 +228,13 @@ def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str, window=None, cap=No
         output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
-        for hr in T.parallel(h_q * qo_len):
+        for hr in T.parallel(h_q // heads * qo_len):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
                 seq = T.sblock_alloc_buffer((1,), "int32")
-                h: T.let[T.int32] = hr // qo_len
-                row: T.let[T.int32] = hr % qo_len
+                h: T.let[T.int32] = hr // qo_len * heads
+                row: T.let[T.int32] = zigzag(hr % qo_len, qo_len)
                 _owner(seq, q_indptr, batch_size, row)
                 b: T.let[T.int32] = seq[0]
                 n_kv: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
@@ -209,7 +253,8 @@ def _prefill_ragged(h_kv: int, h_q: int, d: int, dtype: str, window=None, cap=No
 
 def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, window=None, cap=None):
     group = h_q // h_kv
-    attend = _attend(True, d, page_size, dtype, cap)
+    heads = heads_per_block(group)
+    attend = _attend(True, d, page_size, dtype, heads, cap)
 
     @T.prim_func(s_tir=True)
     def prefill_paged(
@@ -249,13 +294,13 @@ def _prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int, wind
         )
         q_pos = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=T.int32())
 
-        for hr in T.parallel(h_q * total_len):
+        for hr in T.parallel(h_q // heads * total_len):
             with T.sblock("attn"):
                 T.reads()
                 T.writes()
                 seq = T.sblock_alloc_buffer((1,), "int32")
-                h: T.let[T.int32] = hr // total_len
-                row: T.let[T.int32] = hr % total_len
+                h: T.let[T.int32] = hr // total_len * heads
+                row: T.let[T.int32] = zigzag(hr % total_len, total_len)
                 _owner(seq, q_indptr, batch_size, row)
                 b: T.let[T.int32] = seq[0]
                 n_pages: T.let[T.int32] = indptr[b + 1] - indptr[b]
