@@ -7,8 +7,15 @@ a 62 ms decode step at 500 tokens of context. The kernels here keep the same sig
 the same results (output, and the log2-sum-exp `lse` that the cache uses to merge partial
 attentions). Decode's kernel is in `cpu.attention_decode`; the prefill kernels here are
 
-* parallel over (query head, query row): head-major, so the two halves of a causal
-  triangle land on different threads with equal work;
+* parallel over (block of query heads, query row), the rows in zigzag order (0, n-1, 1,
+  n-2, ...) so that the thread pool's contiguous shares of the tasks carry equal work;
+* a block is up to 4 query heads of one KV head (GQA), attended together: each key and
+  value vector loaded serves all of them, and the dot products keep 4 FMA chains in all.
+  One head at a time, with one chain per key row, every FMA waited on two loads or on the
+  last FMA. Llama 3.2 3B's shape (24 heads, 8 KV heads, head_dim 128), 500 tokens, causal,
+  one thread, CPU time, x86-64-v3 build on an Intel Xeon: 51.7 -> 36.3 ms a layer;
+  SmolLM2's (9 and 3, 64) at 2,000 tokens 192 -> 128 ms; Llama 3.1 8B's (32 and 8) with the
+  AVX-512 build 80.4 -> 49.6 ms;
 * vectorised over head_dim: 8-lane partial dot products, vector rescale and accumulate;
 * one pass over the rows with an online softmax, 8 rows (`TILE`) at a time: their scores,
   one max, at most one rescale, and one vector exp2 (a polynomial, `tir_common.exp2`: libm's exp2f
