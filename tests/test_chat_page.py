@@ -344,9 +344,19 @@ def test_reasoning_folded_and_tool_calls_shown(browser, live, bundle):
     store = json.dumps({"chats": [chat], "current": "c1"})
     browser.execute_script("localStorage.setItem('tallow.chats.v1', arguments[0])", store)
     browser.refresh()
-    call = wait(browser, lambda d: d.find_elements("css selector", ".tool-call"))[0]
-    assert call.find_element("css selector", ".name").text == "get_weather"
-    assert json.loads(call.find_element("css selector", ".arguments").text) == {"city": "P"}
+
+    def shown_call(d):
+        """The first tool call's name and arguments, read in one go: the page renders the
+        stored chat again once the model card arrives, and an element found before that is
+        stale (`wait` then polls again)."""
+        calls = d.find_elements("css selector", ".tool-call")
+        if not calls:
+            return None
+        return tuple(calls[0].find_element("css selector", c).text for c in (".name", ".arguments"))
+
+    name, arguments = wait(browser, shown_call)
+    assert name == "get_weather"
+    assert json.loads(arguments) == {"city": "P"}
 
 
 def test_api_key_asked_once_and_kept_for_the_tab(browser, bundle):
