@@ -177,11 +177,13 @@ def test_heads_per_block():
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
-def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d):
+def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
     """Every row of every head, against numpy: the heads of a KV head go through the kernel
-    together (`heads_per_block`), and the rows in zigzag order."""
+    together (`heads_per_block`), and the rows in zigzag order; 8-lane slices of head_dim,
+    or 16 (AVX-512; elsewhere LLVM splits them)."""
     rng = np.random.default_rng(1)
     q_lens, kv_lens = [5, 1, 33], [5, 4, 40]  # kv longer than q: queries are the last rows
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
@@ -189,7 +191,7 @@ def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d):
     v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
     q_ptr, kv_ptr = np.cumsum([0, *q_lens]), np.cumsum([0, *kv_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_ragged(h_kv, h_q, d, "float32"), target)
+    kernel = _build(ca._prefill_ragged(h_kv, h_q, d, "float32", lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(k, "float32"), _t(v, "float32"), _t(kv_ptr),
            _t(np.zeros(len(q))), _t(np.zeros(3)), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
@@ -202,16 +204,17 @@ def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d):
             np.testing.assert_allclose(lse.numpy()[q_ptr[b] + i], want_lse, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
-def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d):
+def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
     rng = np.random.default_rng(2)
     q_lens, kv_lens = [3, 20, 1], [35, 20, 0]  # the last sequence has nothing cached yet
     pool, indptr, values, last, rows = _paged(rng, kv_lens, h_kv, d)
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
     q_ptr = np.cumsum([0, *q_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_paged(h_kv, h_q, d, "float32", PAGE), target)
+    kernel = _build(ca._prefill_paged(h_kv, h_q, d, "float32", PAGE, lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
            _t(np.zeros(3)), _t(np.zeros(len(q))), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
