@@ -19,7 +19,7 @@ attentions). Decode's kernel is in `cpu.attention_decode`; the prefill kernels h
 * 16-lane slices of head_dim where the target has AVX-512 (`vector_lanes`, as decode), 8
   elsewhere: AVX-512 build, one thread, the 3B shape 35.0 -> 27.5 ms, SmolLM2's at 2,000
   tokens 124.7 -> 100.4, the 8B shape 47.4 -> 36.3;
-* vectorised over head_dim: 8-lane partial dot products, vector rescale and accumulate;
+* vectorised over head_dim: 8- or 16-lane partial dot products, vector rescale and accumulate;
 * one pass over the rows with an online softmax, 8 rows (`TILE`) at a time: their scores,
   one max, at most one rescale, and one vector exp2 (a polynomial, `tir_common.exp2`: libm's exp2f
   is a scalar call per row and was a third of the time);
