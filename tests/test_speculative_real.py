@@ -114,29 +114,42 @@ COPY = (
     "Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, "
     "fig, grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya."
 )
+COPY_WORDS = (
+    "Copy these words exactly, separated by commas: Monday, Tuesday, Wednesday, Thursday, "
+    "Friday, Saturday, Sunday, January, February, March, April, May."
+)
 
 
 def test_smollm2_copying_speculates_and_keeps_the_greedy_text(smollm2_artifact):
     """Greedy text with prompt lookup equals the text without, up to the first token the
     model nearly ties on: verification's kernels round differently from decode's (as a
-    batch of another size does; docs/speculative.md), so a near-tie may go either way."""
+    batch of another size does; docs/speculative.md), so a near-tie may go either way.
+
+    The first copying prompt whose reference is sure of its first 10 tokens is used: where
+    a reference nearly ties depends on the CPU's kernels (COPY's second token has a top-2
+    margin of 0.96-1.0 nats, on either side of the bar from one kernel change to the next)."""
     plain_engine = build_engine(smollm2_artifact, EngineOptions(threads=1))
-    ids = plain_engine.model.encode_chat([{"role": "user", "content": COPY}])
     params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=True, top_logprobs=2)
-    plain = plain_engine.generate([ids], params)[0]
+    for prompt in (COPY, COPY_WORDS):
+        ids = plain_engine.model.encode_chat([{"role": "user", "content": prompt}])
+        steps_before = plain_engine.stats().num_steps  # (cumulative over the engine's life)
+        plain = plain_engine.generate([ids], params)[0]
+        plain_steps = plain_engine.stats().num_steps - steps_before
+        tops = [lp.top_logprobs for o in plain for d in o.outputs for lp in d.logprobs]
+        margins = [a[1] - b[1] for a, b in tops]
+        # the first token comes from the prompt's prefill in both runs: the same kernels
+        sure = next((i for i, m in enumerate(margins) if i and m < 1.0), len(margins))
+        if sure >= 10:
+            break
+    assert sure >= 10, "every reference is a near-tie early on: add another prompt"
     spec_engine = build_engine(
         smollm2_artifact, EngineOptions(threads=1, speculative=SpeculativeConfig())
     )
     fast = spec_engine.generate([ids], params)[0]
-    tops = [lp.top_logprobs for o in plain for d in o.outputs for lp in d.logprobs]
-    margins = [a[1] - b[1] for a, b in tops]
-    # the first token comes from the prompt's prefill in both runs: the same kernels
-    sure = next((i for i, m in enumerate(margins) if i and m < 1.0), len(margins))
-    assert sure >= 10, "the reference itself is a near-tie early on: pick another prompt"
     assert tokens(fast)[:sure] == tokens(plain)[:sure]
     stats = spec_engine.scheduler.speculation.stats
     assert stats.acceptance_rate > 0.5
-    assert spec_engine.stats().num_steps < plain_engine.stats().num_steps * 0.7
+    assert spec_engine.stats().num_steps < plain_steps * 0.7
     # the policy got this model's measured step costs, and the scratch sequence is gone
     config = spec_engine.scheduler.speculation.config
     assert config.single_cost is not None and 0 < config.row_cost < 1
