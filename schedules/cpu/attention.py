@@ -51,6 +51,7 @@ from .attention_decode import (
     TILE,
     capped,
     decode_kernel,
+    raise_max_macro,
     vector_lanes,
     window_start,
 )
@@ -88,6 +89,7 @@ def _attend(
     nd = d // lanes
     qscale = 1.0 if cap is not None else LOG2E
     chains = chains_for(heads)
+    raise_max = raise_max_macro(d)
 
     def cached(kv, which: int, values, base, hk, row, col):
         """Element `col` of key (which=0) or value (1) row `row`, as float32."""
@@ -136,12 +138,7 @@ def _attend(
                 st[j * 4 + 2] = sc[j * TILE]
                 for r in T.serial(1, TILE):
                     st[j * 4 + 2] = T.max(st[j * 4 + 2], sc[j * TILE + r])
-                if st[j * 4 + 2] > st[j * 4]:
-                    st[j * 4 + 3] = T.exp2(st[j * 4] - st[j * 4 + 2])
-                    st[j * 4 + 1] *= st[j * 4 + 3]
-                    for i in T.vectorized(d):
-                        o_acc[j * d + i] *= st[j * 4 + 3]
-                    st[j * 4] = st[j * 4 + 2]
+                raise_max(st, o_acc, j)
                 for r in T.vectorized(TILE):
                     # masked rows weigh exactly 0 (exp2 bottoms out at 2**-126)
                     sc[j * TILE + r] = T.Select(

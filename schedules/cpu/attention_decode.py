@@ -110,6 +110,24 @@ def _chosen(first: bool, a, b):
     return a if first else b
 
 
+def raise_max_macro(d: int):
+    """A macro for head `j`'s online softmax, state `st[4j..4j+3]` (running max, running sum,
+    the tile's max, the rescale) and output accumulator `o_acc[j*d..]`: when the tile's max
+    beats the running one, the sum and the accumulator scale by 2^(old - new) and the max
+    moves up. Shared by decode and prefill (`cpu.attention`)."""
+
+    @T.macro
+    def raise_max(st, o_acc, j):
+        if st[j * 4 + 2] > st[j * 4]:
+            st[j * 4 + 3] = T.exp2(st[j * 4] - st[j * 4 + 2])
+            st[j * 4 + 1] *= st[j * 4 + 3]
+            for i in T.vectorized(d):
+                o_acc[j * d + i] *= st[j * 4 + 3]
+            st[j * 4] = st[j * 4 + 2]
+
+    return raise_max
+
+
 def vector_lanes(target, d: int) -> int:
     """Float lanes per head_dim slice on `target`: 16 where it has AVX-512 (and `d` is a
     multiple of 16), else 8."""
@@ -135,6 +153,7 @@ def decode_kernel(
     """The kernel for `h_q` query heads over `h_kv` KV heads of size `d` (a multiple of
     `lanes`, the float lanes of each partial sum and value slice: 8, or 16 with AVX-512)."""
     group = h_q // h_kv
+    raise_max = raise_max_macro(d)
     vl = lanes
     qscale = 1.0 if cap is not None else LOG2E  # log2(e) folds into q, or follows the cap
 
@@ -217,12 +236,7 @@ def decode_kernel(
                 st[hg * 4 + 2] = reduce_lanes(
                     sc.vload([hg * TILE], f"float32x{TILE}"), TILE, maximum
                 )
-                if st[hg * 4 + 2] > st[hg * 4]:
-                    st[hg * 4 + 3] = T.exp2(st[hg * 4] - st[hg * 4 + 2])
-                    st[hg * 4 + 1] *= st[hg * 4 + 3]
-                    for i in T.vectorized(d):
-                        o_acc[hg * d + i] *= st[hg * 4 + 3]
-                    st[hg * 4] = st[hg * 4 + 2]
+                raise_max(st, o_acc, hg)
                 weights = exp2(
                     sc.vload([hg * TILE], f"float32x{TILE}") - T.Broadcast(st[hg * 4], TILE),
                     TILE,
