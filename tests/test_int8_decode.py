@@ -57,15 +57,32 @@ def _activations(batch: int, k: int, seed: int) -> np.ndarray:
     return x
 
 
-def _round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of `x` ([batch, K]) as the kernels round them: (values, per-element step)."""
+# The AVX2 one-row kernel of q4k and q5k (`cpu.int8_kquant_row`) multiplies the activation
+# multiplier by the 6-bit sub-scale in int16 and sums a super-block's 8 groups in int32:
+# m * 63 <= 32767 and 8 groups * 2 pairs * 2 * max_code * 127 * m * 63 < 2**31 give these;
+# its step is per super-block (8 groups), not per row.
+ROW_M_MAX = {"q4k": 520, "q5k": 270}
+M_MAX = 32767
+
+
+def _row_rounding(qtype: str) -> dict:
+    """How `decode`'s AVX2 one-row kernel of `qtype` rounds the activations."""
+    return {"m_max": ROW_M_MAX[qtype], "unit_groups": 8} if qtype in ROW_M_MAX else {}
+
+
+def _round_activations(
+    x: np.ndarray, m_max: int = M_MAX, unit_groups: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `x` ([batch, K]) as the kernels round them: (values, per-element step). The
+    step is per row, or per `unit_groups` groups."""
     f32 = np.float32
-    g = x.astype(f32).reshape(x.shape[0], -1, 32)
+    span = unit_groups or x.shape[-1] // 32
+    g = x.astype(f32).reshape(-1, span, 32)  # a row of units
     d = np.abs(g).max(axis=2) / f32(127)
     top = d.max(axis=1, keepdims=True)
-    unit = top / f32(32767)
-    per_unit = np.where(top == 0, f32(0), f32(32767) / np.where(top == 0, f32(1), top))
-    m = np.minimum(np.ceil(d * per_unit), f32(32767)).astype(f32)
+    unit = top / f32(m_max)
+    per_unit = np.where(top == 0, f32(0), f32(m_max) / np.where(top == 0, f32(1), top))
+    m = np.minimum(np.ceil(d * per_unit), f32(m_max)).astype(f32)
     step = unit * m
     inv = np.where(m == 0, f32(0), f32(1) / np.where(m == 0, f32(1), step))
     v = g * inv[:, :, None]
@@ -76,9 +93,9 @@ def _round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values.reshape(x.shape), np.broadcast_to(step[:, :, None], g.shape).reshape(x.shape)
 
 
-def _oracle(x: np.ndarray, deq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _oracle(x: np.ndarray, deq: np.ndarray, **rounding) -> tuple[np.ndarray, np.ndarray]:
     batch, _, k = x.shape
-    rounded, _ = _round_activations(x.reshape(batch, k))
+    rounded, _ = _round_activations(x.reshape(batch, k), **rounding)
     bound = np.abs(rounded) @ np.abs(deq).T  # for float32 rounding of the sums
     return (rounded @ deq.T).reshape(batch, 1, -1), bound.reshape(batch, 1, -1)
 
@@ -122,8 +139,8 @@ def _build(func, qtype: str = ""):
     return call
 
 
-def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray) -> None:
-    ref, bound = _oracle(x, deq)
+def _check(got: np.ndarray, x: np.ndarray, deq: np.ndarray, **rounding) -> None:
+    ref, bound = _oracle(x, deq, **rounding)
     err = np.abs(got - ref)
     assert (err <= 1e-5 * bound + 1e-6).all(), f"batch {x.shape[0]}: max err {err.max()}"
     # not the float-activation product: the rounding of x is really there
@@ -139,7 +156,8 @@ def test_gemv_matches_numpy(qtype):
     n = 96
     blocks, deq = _weights(qtype, n, k, seed=1)
     x = _activations(1, k, seed=2)
-    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype), x, deq)
+    got = _run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype)
+    _check(got, x, deq, **_row_rounding(qtype))
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4k"])
@@ -149,7 +167,8 @@ def test_row_kernel_with_one_region(qtype):
     k, n = 512, 48
     blocks, deq = _weights(qtype, n, k, seed=3)
     x = _activations(1, k, seed=4)
-    _check(_run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype), x, deq)
+    got = _run(int8_gemv.gemv_kernel(qtype, n, k, 1), x, blocks, n, qtype)
+    _check(got, x, deq, **_row_rounding(qtype))
 
 
 @needs_vnni
@@ -194,7 +213,38 @@ def test_block_scales_row_kernel_on_avx2(qtype):
         lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
     out = tvm.runtime.empty((1, 1, n), "float32")
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
-    _check(out.numpy(), x, deq)
+    _check(out.numpy(), x, deq, **_row_rounding(qtype))
+
+
+@pytest.mark.parametrize("qtype", sorted(ROW_M_MAX))
+def test_kquant_row_kernel_at_its_limits(qtype):
+    """The AVX2 one-row kernel of q4k / q5k at the worst case its multiplier limit allows:
+    every code and sub-scale at its largest (all scale bytes 0xff: 63), every activation
+    code at +-127 with every group's multiplier at the limit. One int32 lane then holds
+    8 groups x 2 pairs x 2 x max_code x 127 x m x 63, within 1% of 2**31 for q4k; a limit
+    set any higher would wrap and fail the comparison."""
+    from tallow.compiler.cpu_levels import resolve_level
+    from tallow.schedules.cpu import int8_kquant_row
+
+    assert int8_kquant_row.multiplier_limit(qtype) == ROW_M_MAX[qtype]
+    fmt = QUANT_FORMATS[qtype]
+    k, n = 512, 32
+    blocks = np.full((n, k // 256 * fmt.type_size), 0xFF, np.uint8)
+    header = np.array([1.0, 0.5], np.float16).view(np.uint8)  # d, dmin
+    for b in range(k // 256):
+        blocks[:, b * fmt.type_size : b * fmt.type_size + 4] = header
+    deq = gguf.quants.dequantize(blocks, fmt.ggml_type).reshape(n, k).astype(np.float64)
+    x = np.ones((1, 1, k), np.float32)
+    x[0, 0, 256:352] = -1.0  # three groups of the second super-block negative
+    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
+    with avx2:
+        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
+        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
+    out = tvm.runtime.empty((1, 1, n), "float32")
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
+    ref, _ = _oracle(x, deq, **_row_rounding(qtype))  # +-1 rounds exactly: x @ deq^T
+    assert np.abs(ref).min() > 1000
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])

@@ -62,6 +62,19 @@ class TableNibbles:
 
 
 @dataclass(frozen=True)
+class IntBlockScales:
+    """A super-block format whose group scales are small integers under one float scale (q4k,
+    q5k: 6-bit sub-scales times the f16 `d`). `decode(row)` gives (the 8 sub-scales as
+    int16x8, `d` as a float32, the groups' offsets as float32x8); `largest` bounds the
+    sub-scales. The AVX2 one-row kernel (`schedules.cpu.int8_kquant_row`) then multiplies
+    each group's integer sums by sub-scale times activation multiplier in int16 and converts
+    once per super-block."""
+
+    decode: Callable
+    largest: int
+
+
+@dataclass(frozen=True)
 class GridCodes:
     """A lattice format whose 32-weight groups are 8 entries of 4 unsigned grid bytes plus a
     sign bit per weight (iq3_s), as the row kernels of `schedules.cpu.int8_grid_row` read it:
@@ -110,6 +123,7 @@ class Int8Codes:
     # bits: bits 2j, 2j + 1 for group j); the VNNI tiles transpose 3 runs per 4 groups
     six_bit_at: tuple[int, int] | None = None
     table_nibbles: TableNibbles | None = None
+    int_block_scales: IntBlockScales | None = None
     grid_codes: GridCodes | None = None
 
 

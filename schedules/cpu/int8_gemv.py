@@ -21,7 +21,8 @@ again in numpy. Only decode uses it
 decoded once per tile of tokens and it is not bound by the per-weight decode cost.
 
 Memory access as in the VNNI row kernels (`int8_ops.AHEAD`, `STREAMS`): each row's lines
-asked for 16 KiB early into L2, a task's rows taken from two regions of the weight in turn.
+asked for `AHEAD` bytes early into L2, a task's rows taken from two regions of the weight in
+turn. (The figures below are from 16 KiB ahead; 4 KiB since 2026-12-07, `int8_vnni_row`.)
 Without it the AVX2 kernels relied on the hardware prefetchers alone. On an Intel Xeon with
 AVX-512 (2 cores of a VM) running these AVX2 kernels, two threads, weights from memory
 (1.6 GB of copies), best of 5 interleaved rounds, GB/s before -> after: q4k 28672 x 4096
@@ -42,7 +43,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
-from . import int8_grid_row, int8_table_row, int8_vnni_row
+from . import int8_grid_row, int8_kquant_row, int8_table_row, int8_vnni_row
 from .int8_codes import LANES, Row, codes_of, group, row_kernels_only
 from .int8_ops import (
     AHEAD,
@@ -102,6 +103,8 @@ def gemv_kernel(
         return int8_vnni_row.row_kernel(qtype, n_out, k)
     if int8_table_row.applies(qtype) and int8_vnni_row.applies(qtype, k):
         return int8_vnni_row.row_kernel(qtype, n_out, k, vnni=False)
+    if int8_kquant_row.applies(qtype, k):
+        return int8_kquant_row.row_kernel(qtype, n_out, k)
     if codes_of(qtype).block_scales is not None:
         return _block_row_kernel(qtype, n_out, k)
     return _row_kernel(qtype, n_out, k)
@@ -207,7 +210,8 @@ def _with_table(qtype: str, n_out: int, k: int, rb: int, row_dot):
 
 
 def _block_row_kernel(qtype: str, n_out: int, k: int):
-    """The one-row kernel for the K-quants: a super-block's scales and offsets are decoded
+    """The one-row kernel for the K-quants with float group scales (q2k, q6k; q4k and q5k
+    take `int8_kquant_row`'s integer ones): a super-block's scales and offsets are decoded
     once, as vectors (`Int8Codes.block_scales`), and its offsets meet the activation sums
     in one vector FMA; each group then only broadcasts its scale from a stack array.
 

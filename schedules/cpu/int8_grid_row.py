@@ -14,8 +14,9 @@ VNNI: one `vpdpbusd`; 1 on AVX2):
   is set (|activation| <= 127, so the negation is exact). No offset, no flip, no sign trick;
 * the block's 8 group scales are decoded as one vector (`GridCodes.group_scales`) times
   `xmf` (each group's activation multiplier, as float: AVX2's `pmaddwd` multiplies by ones);
-* a row's cache lines are asked for 16 KiB ahead into L2 and each task follows two streams,
-  as `int8_vnni_row` does (without them one VNNI thread read 4.7 GB/s of iq3_s weights).
+* a row's cache lines are asked for `int8_ops.AHEAD` bytes ahead into L2 and each task
+  follows two streams, as `int8_vnni_row` does (without them one VNNI thread read 4.7 GB/s
+  of iq3_s weights).
 """
 
 from __future__ import annotations

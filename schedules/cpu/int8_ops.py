@@ -50,7 +50,7 @@ N_CHUNK = 16  # output columns per parallel task
 # cache lines are asked for AHEAD bytes early, into L2 only (`tir_common.STREAM`), and each
 # parallel task takes its rows from STREAMS regions of the weight, a row from each in turn,
 # so a core follows that many address streams.
-AHEAD = 16384  # bytes
+AHEAD = 4096  # bytes
 STREAMS = 2
 
 
@@ -95,7 +95,13 @@ def round_away(v, count: int):
     )
 
 
-def quantize_macro(groups: int, halves: int, group_major: bool = False):
+def quantize_macro(
+    groups: int,
+    halves: int,
+    group_major: bool = False,
+    m_max: int = M_MAX,
+    unit_groups: int | None = None,
+):
     """A macro quantizing row `r` of `x` ([rows, 1, K]) into xq, xm, xr and xs.
 
     Two passes over the row's groups: each group's `d` (kept in a per-row scratch buffer, so
@@ -105,7 +111,14 @@ def quantize_macro(groups: int, halves: int, group_major: bool = False):
     `group_major`: xq is `[groups, rows, LANES]` and xm `[groups, rows, MULT_LANES]` instead of
     `[rows, K]` and `[rows, groups * MULT_LANES]`, so that a tile walking many rows of one group
     reads them contiguously (`int8_prefill_columns`).
+
+    `m_max` and `unit_groups`, for kernels that multiply `m` by a weight's integer sub-scale
+    in int16 (`int8_kquant_row`): the largest multiplier, and a step per `unit_groups`
+    groups instead of per row (`xr[r * units + u]`), so that a smaller `m_max` coarsens only
+    the groups under `1 / m_max` of their own super-block's largest, not of the row's.
     """
+    span = unit_groups or groups
+    units = groups // span
 
     @T.macro
     def quantize(x, r, xq, xm, xr, xs):
@@ -114,39 +127,45 @@ def quantize_macro(groups: int, halves: int, group_major: bool = False):
         d = T.sblock_alloc_buffer((groups,), "float32")
         qs = T.sblock_alloc_buffer((LANES,), "int32")
         scale = T.sblock_alloc_buffer((2,), "float32")
-        scale[1] = T.float32(0)  # the row's largest d
-        for g in range(groups):
-            v: T.let[T.float32x32] = x.vload([r, T.int64(0), g * LANES], "float32x32")
-            d[g] = reduce_lanes(magnitude(v, 32), 32, maximum) / T.float32(127)
-            scale[1] = T.max(scale[1], d[g])
-        unit: T.let[T.float32] = scale[1] / T.float32(M_MAX)
-        per_unit: T.let[T.float32] = T.Select(
-            scale[1] == T.float32(0), T.float32(0), T.float32(M_MAX) / scale[1]
-        )
-        xr[r] = unit
-        for g in range(groups):
-            m: T.let[T.float32] = T.min(T.ceil(d[g] * per_unit), T.float32(M_MAX))
-            step: T.let[T.float32] = unit * m
-            # a buffer, not a let: keeps the shuffles out of the loop below
-            scale[0] = T.Select(m == T.float32(0), T.float32(0), T.float32(1) / step)
-            for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
-                qs[j] = T.Cast("int32", round_away(x[r, 0, g * LANES + j] * scale[0], 1))
-            q: T.let[T.int32x32] = qs.vload([0], "int32x32")
-            if group_major:
-                xq[g, r, T.Ramp(0, 1, LANES)] = T.Cast("int8x32", q)
-                xm[g, r, T.Ramp(0, 1, MULT_LANES)] = T.Broadcast(T.Cast("int16", m), MULT_LANES)
-            else:
-                xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
-                xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
-                    T.Cast("int16", m), MULT_LANES
+        for u in range(units):
+            scale[1] = T.float32(0)  # the unit's largest d
+            for gu in range(span):
+                v: T.let[T.float32x32] = x.vload(
+                    [r, T.int64(0), (u * span + gu) * LANES], "float32x32"
                 )
-            if halves == 1:
-                xs[g, r] = step * T.Cast("float32", reduce_lanes(q, 32, add))
-            else:
-                xs[g * 2, r] = step * T.Cast("float32", reduce_lanes(lanes(q, range(16)), 16, add))
-                xs[g * 2 + 1, r] = step * T.Cast(
-                    "float32", reduce_lanes(lanes(q, range(16, 32)), 16, add)
-                )
+                d[u * span + gu] = reduce_lanes(magnitude(v, 32), 32, maximum) / T.float32(127)
+                scale[1] = T.max(scale[1], d[u * span + gu])
+            unit: T.let[T.float32] = scale[1] / T.float32(m_max)
+            per_unit: T.let[T.float32] = T.Select(
+                scale[1] == T.float32(0), T.float32(0), T.float32(m_max) / scale[1]
+            )
+            xr[r * units + u] = unit
+            for gu in range(span):
+                g: T.let[T.int32] = u * span + gu
+                m: T.let[T.float32] = T.min(T.ceil(d[g] * per_unit), T.float32(m_max))
+                step: T.let[T.float32] = unit * m
+                # a buffer, not a let: keeps the shuffles out of the loop below
+                scale[0] = T.Select(m == T.float32(0), T.float32(0), T.float32(1) / step)
+                for j in T.vectorized(LANES):  # scalar form: TVM's passes are slow on 32-lane
+                    qs[j] = T.Cast("int32", round_away(x[r, 0, g * LANES + j] * scale[0], 1))
+                q: T.let[T.int32x32] = qs.vload([0], "int32x32")
+                if group_major:
+                    xq[g, r, T.Ramp(0, 1, LANES)] = T.Cast("int8x32", q)
+                    xm[g, r, T.Ramp(0, 1, MULT_LANES)] = T.Broadcast(T.Cast("int16", m), MULT_LANES)
+                else:
+                    xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
+                    xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
+                        T.Cast("int16", m), MULT_LANES
+                    )
+                if halves == 1:
+                    xs[g, r] = step * T.Cast("float32", reduce_lanes(q, 32, add))
+                else:
+                    xs[g * 2, r] = step * T.Cast(
+                        "float32", reduce_lanes(lanes(q, range(16)), 16, add)
+                    )
+                    xs[g * 2 + 1, r] = step * T.Cast(
+                        "float32", reduce_lanes(lanes(q, range(16, 32)), 16, add)
+                    )
 
     return quantize
 

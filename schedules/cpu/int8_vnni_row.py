@@ -37,6 +37,11 @@ Then two memory streams per task (`int8_ops.STREAMS`: a task's rows alternate be
 the second half of the weight, so each core follows two address streams): Llama-3.2-1B's
 step, 7 interleaved rounds, 39.8-44.9 (median 41.5) -> 37.2-38.6 ms (37.7; one outlier at
 48.8 left out); four streams 38.0-40.6.
+Then 16 KiB -> 4 KiB ahead (2026-12-07), once the weights of 3B-class models came from memory:
+two threads, cold, percent of a numpy stream in the same run (29.3 GB/s), 16 KiB -> 4 KiB:
+q4k 16384 x 3072 77 -> 85, q4k 3072 x 8192 70 -> 77, q6k 3072 x 8192 73 -> 79, q6k 128256 x
+3072 79 -> 85 (2 KiB as 4); the AVX2 kernels likewise (q4k 3072 x 8192 69-72 -> 77-78).
+Llama-3.2-3B Q4_K_M's step, 3 interleaved rounds: 85.9 / 86.6 / 89.0 -> 85.3 / 84.3 / 87.2 ms.
 
 Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
 loads) -> 44 (two blocks' scales); then the two blocks' d and dmin converted as one vector

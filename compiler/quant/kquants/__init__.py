@@ -19,7 +19,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as GGML
 
 from .. import legacy  # noqa: F401 - registers the legacy formats, our fallbacks
-from ..format import Int8Codes, Lazy, QuantFormat
+from ..format import Int8Codes, IntBlockScales, Lazy, QuantFormat
 from ..registry import register_format
 from . import numpy_codec as codec
 
@@ -45,12 +45,32 @@ def _kquant(name, ggml_type, type_size, fallback, vector_scales=True, **int8) ->
     )
 
 
+# q4k / q5k sub-scales are 6-bit integers under the block's f16 d
+_K4_INT_SCALES = IntBlockScales(decode=Lazy(_INT8, "k4_int_scales"), largest=63)
+
 # split_halves: 16-weight sub-blocks, so the two halves of a 32-weight group differ.
 for _fmt in (
     _kquant("q2k", GGML.Q2_K, 84, "q4_0", split_halves=True, max_code=3, column_tiles=True),
     _kquant("q3k", GGML.Q3_K, 110, "q4_0", False, split_halves=True, max_code=7, column_tiles=True),
-    _kquant("q4k", GGML.Q4_K, 144, "q5_0", max_code=15, column_tiles=True, nibble_pairs_at=16),
-    _kquant("q5k", GGML.Q5_K, 176, "q5_1", max_code=31, column_tiles=True),
+    _kquant(
+        "q4k",
+        GGML.Q4_K,
+        144,
+        "q5_0",
+        max_code=15,
+        column_tiles=True,
+        nibble_pairs_at=16,
+        int_block_scales=_K4_INT_SCALES,
+    ),
+    _kquant(
+        "q5k",
+        GGML.Q5_K,
+        176,
+        "q5_1",
+        max_code=31,
+        column_tiles=True,
+        int_block_scales=_K4_INT_SCALES,
+    ),
     _kquant(
         "q6k",
         GGML.Q6_K,

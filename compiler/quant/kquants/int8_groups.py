@@ -111,11 +111,10 @@ def _blocks(per_block):
     return scales
 
 
-def _k4_block_scales(*rows: Row):
+def _k4_sub_scales(rows):
     """q4k / q5k: the 8 sub-blocks' 6-bit scales and mins (bytes 4..15, llama.cpp's
     get_scale_min_k4 for all 8 at once: lanes 0-3 whole bytes, 4-7 a low nibble plus the
-    top 2 bits of another byte), for each of `rows` (super-blocks), 8 lanes after 8: two
-    blocks' decode in 16-lane instructions costs about what one block's did in 8 lanes."""
+    top 2 bits of another byte) as two int32 vectors, 8 lanes per block of `rows`."""
     count = len(rows)
     lanes = 8 * count
     q = [tirx.Cast("int32x16", row.vec(4, 16)) for row in rows]  # lanes 0..11: the scales
@@ -136,6 +135,16 @@ def _k4_block_scales(*rows: Row):
     mn = ((pick([4, 5, 6, 7, 8, 9, 10, 11]) >> halves(0, 4)) & low) | (
         ((pick([4, 5, 6, 7, 4, 5, 6, 7]) >> six) << four) & high
     )
+    return sc, mn
+
+
+def _k4_block_scales(*rows: Row):
+    """q4k / q5k: each block's group scales `d * sc` and offsets `-dmin * mn`, for each of
+    `rows` (super-blocks), 8 lanes after 8: two blocks' decode in 16-lane instructions costs
+    about what one block's did in 8 lanes."""
+    count = len(rows)
+    lanes = 8 * count
+    sc, mn = _k4_sub_scales(rows)
     # each block's f16 d and dmin: one 32-bit word, the blocks' words converted as one vector
     # and spread by a permute each (per-block broadcasts took ~12 instructions for two blocks)
     words = [tirx.reinterpret("int32", row.vec(0, 4)) for row in rows]
@@ -148,6 +157,32 @@ def _k4_block_scales(*rows: Row):
     d = tirx.Shuffle(copies, [_c(i // 8 * 2) for i in range(lanes)])
     dmin = tirx.Shuffle(copies, [_c(i // 8 * 2 + 1) for i in range(lanes)])
     return d * tirx.Cast(f"float32x{lanes}", sc), dmin * tirx.Cast(f"float32x{lanes}", mn)
+
+
+def k4_int_scales(row: Row):
+    """q4k / q5k for `IntBlockScales`: (the 6-bit sub-scales as int16x8, `d`, the offsets
+    `-dmin * mn` as float32x8) of one super-block.
+
+    The 12 scale bytes as three 32-bit words u0, u1, u2 (llama.cpp's reading): scales 0-3
+    are `u0 & 0x3f..`, mins 0-3 `u1 & 0x3f..`, scales 4-7 the low nibbles of u2 with the
+    top 2 bits of u0's bytes, mins 4-7 u2's high nibbles with u1's. In 4-lane words that is
+    about 12 vector instructions for a block; `_k4_sub_scales`' int32 lanes took 17.
+    """
+    words = tirx.reinterpret("int32x4", row.vec(4, 16))  # u0, u1, u2 (and a spare word)
+
+    def word(v):
+        return tirx.Broadcast(tirx.const(v, "int32"), 4)
+
+    low = words & word(0x3F3F3F3F)  # [scales 0-3, mins 0-3, ...]
+    u2 = _pick(words, [2, 2, 2, 2])
+    nibbles = (u2 >> tirx.Shuffle([word(0), word(4)], [_c(0), _c(4), _c(1), _c(5)])) & word(
+        0x0F0F0F0F
+    )
+    high = nibbles | ((words >> word(2)) & word(0x30303030))  # [scales 4-7, mins 4-7, ...]
+    both = tirx.reinterpret("uint8x16", tirx.Shuffle([low, high], [_c(0), _c(4), _c(1), _c(5)]))
+    sc = tirx.Cast("int16x8", _pick(both, range(8)))
+    mn = tirx.Cast("float32x8", _pick(both, range(8, 16)))
+    return sc, row.half(0), tirx.Broadcast(-row.half(2), 8) * mn
 
 
 q4k_block_scales = _k4_block_scales
