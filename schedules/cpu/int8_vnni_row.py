@@ -41,7 +41,8 @@ Then 16 KiB -> 4 KiB ahead (2026-12-07), once the weights of 3B-class models cam
 two threads, cold, percent of a numpy stream in the same run (29.3 GB/s), 16 KiB -> 4 KiB:
 q4k 16384 x 3072 77 -> 85, q4k 3072 x 8192 70 -> 77, q6k 3072 x 8192 73 -> 79, q6k 128256 x
 3072 79 -> 85 (2 KiB as 4); the AVX2 kernels likewise (q4k 3072 x 8192 69-72 -> 77-78).
-Llama-3.2-3B Q4_K_M's step, 3 interleaved rounds: 85.9 / 86.6 / 89.0 -> 85.3 / 84.3 / 87.2 ms.
+Llama-3.2-3B Q4_K_M's step, 3 interleaved rounds: 85.9 / 86.6 / 89.0 -> 85.3 / 84.3 / 87.2 ms;
+on a later VM with faster memory the same A/B measured 65.5-67.0 against 65.9-66.0 ms.
 
 Instructions per super-block in q4k's inner loop: 80 (AVX2) -> 62 (pairs) -> 50 (64-byte
 loads) -> 44 (two blocks' scales); then the two blocks' d and dmin converted as one vector
