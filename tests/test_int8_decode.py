@@ -123,11 +123,21 @@ def _run(func, x: np.ndarray, blocks: np.ndarray, n: int, qtype: str = "") -> np
     return _build(func, qtype)(x, blocks, n)
 
 
-def _build(func, qtype: str = ""):
+def _run_avx2(qtype: str, x: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+    """`decode`'s one-row kernel of `qtype` built for an AVX2-only CPU level, run."""
+    from tallow.compiler.cpu_levels import resolve_level
+
+    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
+    with avx2:
+        func = int8_gemv.gemv_kernel(qtype, n, x.shape[-1], 1)
+    return _build(func, qtype, avx2)(x, blocks, n)
+
+
+def _build(func, qtype: str = "", target=TARGET):
     """`func` compiled, as call(x, blocks, n); `qtype`'s table (a lattice i-quant's grid)
     passed where the kernel takes one."""
-    with TARGET:
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), TARGET)
+    with target:
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
     table = QUANT_FORMATS[qtype].table if qtype and QUANT_FORMATS[qtype].table else None
     tables = [tvm.runtime.tensor(np.ascontiguousarray(table()))] if table else []
 
@@ -201,19 +211,12 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     """The K-quants' one-row kernel (a super-block's scales decoded as one vector,
     `Int8Codes.block_scales`) built for an AVX2-only CPU level (no 512-bit vectors: its
     16-lane scale vectors split in two), 3 super-blocks a row."""
-    from tallow.compiler.cpu_levels import resolve_level
 
     assert QUANT_FORMATS[qtype].int8.block_scales is not None
     k, n = 768, 32
     blocks, deq = _weights(qtype, n, k, seed=11)
     x = _activations(1, k, seed=12)
-    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
-    with avx2:
-        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
-        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
-    out = tvm.runtime.empty((1, 1, n), "float32")
-    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
-    _check(out.numpy(), x, deq, **_row_rounding(qtype))
+    _check(_run_avx2(qtype, x, blocks, n), x, deq, **_row_rounding(qtype))
 
 
 @pytest.mark.parametrize("qtype", sorted(ROW_M_MAX))
@@ -223,7 +226,6 @@ def test_kquant_row_kernel_at_its_limits(qtype):
     code at +-127 with every group's multiplier at the limit. One int32 lane then holds
     8 groups x 2 pairs x 2 x max_code x 127 x m x 63, within 1% of 2**31 for q4k; a limit
     set any higher would wrap and fail the comparison."""
-    from tallow.compiler.cpu_levels import resolve_level
     from tallow.schedules.cpu import int8_kquant_row
 
     assert int8_kquant_row.multiplier_limit(qtype) == ROW_M_MAX[qtype]
@@ -236,15 +238,9 @@ def test_kquant_row_kernel_at_its_limits(qtype):
     deq = gguf.quants.dequantize(blocks, fmt.ggml_type).reshape(n, k).astype(np.float64)
     x = np.ones((1, 1, k), np.float32)
     x[0, 0, 256:352] = -1.0  # three groups of the second super-block negative
-    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
-    with avx2:
-        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
-        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
-    out = tvm.runtime.empty((1, 1, n), "float32")
-    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), out)
     ref, _ = _oracle(x, deq, **_row_rounding(qtype))  # +-1 rounds exactly: x @ deq^T
     assert np.abs(ref).min() > 1000
-    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(_run_avx2(qtype, x, blocks, n), ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
@@ -254,20 +250,11 @@ def test_i_quant_row_kernels_on_avx2(qtype, k):
     iq4_xs's (`int8_table_row.avx2_dot_macro`: 32-byte nibble loads, activations reordered
     by half groups) and iq3_s's (`int8_grid_row`: a 256-bit gather per group, the signs on
     the activations); 1, 3 (odd) and 4 super-blocks a row."""
-    from tallow.compiler.cpu_levels import resolve_level
 
     n = 32
     blocks, deq = _weights(qtype, n, k, seed=13)
     x = _activations(1, k, seed=14)
-    avx2 = Target(resolve_level("x86-64-v3").tvm_target)
-    with avx2:
-        func = int8_gemv.gemv_kernel(qtype, n, k, 1).with_attr("global_symbol", "main")
-        lib = tvm.compile(tvm.IRModule({"main": func}), avx2)
-    table = QUANT_FORMATS[qtype].table
-    tables = [tvm.runtime.tensor(np.ascontiguousarray(table()))] if table else []
-    out = tvm.runtime.empty((1, 1, n), "float32")
-    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), *tables, out)
-    _check(out.numpy(), x, deq)
+    _check(_run_avx2(qtype, x, blocks, n), x, deq)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
