@@ -211,7 +211,6 @@ def test_block_scales_row_kernel_on_avx2(qtype):
     """The K-quants' one-row kernel (a super-block's scales decoded as one vector,
     `Int8Codes.block_scales`) built for an AVX2-only CPU level (no 512-bit vectors: its
     16-lane scale vectors split in two), 3 super-blocks a row."""
-
     assert QUANT_FORMATS[qtype].int8.block_scales is not None
     k, n = 768, 32
     blocks, deq = _weights(qtype, n, k, seed=11)
@@ -250,7 +249,6 @@ def test_i_quant_row_kernels_on_avx2(qtype, k):
     iq4_xs's (`int8_table_row.avx2_dot_macro`: 32-byte nibble loads, activations reordered
     by half groups) and iq3_s's (`int8_grid_row`: a 256-bit gather per group, the signs on
     the activations); 1, 3 (odd) and 4 super-blocks a row."""
-
     n = 32
     blocks, deq = _weights(qtype, n, k, seed=13)
     x = _activations(1, k, seed=14)

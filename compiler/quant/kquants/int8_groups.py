@@ -111,10 +111,11 @@ def _blocks(per_block):
     return scales
 
 
-def _k4_sub_scales(rows):
+def _k4_block_scales(*rows: Row):
     """q4k / q5k: the 8 sub-blocks' 6-bit scales and mins (bytes 4..15, llama.cpp's
     get_scale_min_k4 for all 8 at once: lanes 0-3 whole bytes, 4-7 a low nibble plus the
-    top 2 bits of another byte) as two int32 vectors, 8 lanes per block of `rows`."""
+    top 2 bits of another byte), for each of `rows` (super-blocks), 8 lanes after 8: two
+    blocks' decode in 16-lane instructions costs about what one block's did in 8 lanes."""
     count = len(rows)
     lanes = 8 * count
     q = [tirx.Cast("int32x16", row.vec(4, 16)) for row in rows]  # lanes 0..11: the scales
@@ -135,16 +136,6 @@ def _k4_sub_scales(rows):
     mn = ((pick([4, 5, 6, 7, 8, 9, 10, 11]) >> halves(0, 4)) & low) | (
         ((pick([4, 5, 6, 7, 4, 5, 6, 7]) >> six) << four) & high
     )
-    return sc, mn
-
-
-def _k4_block_scales(*rows: Row):
-    """q4k / q5k: each block's group scales `d * sc` and offsets `-dmin * mn`, for each of
-    `rows` (super-blocks), 8 lanes after 8: two blocks' decode in 16-lane instructions costs
-    about what one block's did in 8 lanes."""
-    count = len(rows)
-    lanes = 8 * count
-    sc, mn = _k4_sub_scales(rows)
     # each block's f16 d and dmin: one 32-bit word, the blocks' words converted as one vector
     # and spread by a permute each (per-block broadcasts took ~12 instructions for two blocks)
     words = [tirx.reinterpret("int32", row.vec(0, 4)) for row in rows]
@@ -166,7 +157,7 @@ def k4_int_scales(row: Row):
     The 12 scale bytes as three 32-bit words u0, u1, u2 (llama.cpp's reading): scales 0-3
     are `u0 & 0x3f..`, mins 0-3 `u1 & 0x3f..`, scales 4-7 the low nibbles of u2 with the
     top 2 bits of u0's bytes, mins 4-7 u2's high nibbles with u1's. In 4-lane words that is
-    about 12 vector instructions for a block; `_k4_sub_scales`' int32 lanes took 17.
+    about 12 vector instructions for a block; `_k4_block_scales`' int32 lanes took 17.
     """
     words = tirx.reinterpret("int32x4", row.vec(4, 16))  # u0, u1, u2 (and a spare word)
 
