@@ -49,7 +49,7 @@ from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import prefetch
 from .int8_codes import LANES, codes_of, group
-from .int8_ops import M_MAX, MULT_LANES, offset_halves
+from .int8_ops import M_MAX, MULT_LANES, WORD_LANES, offset_halves
 
 COLS = 8  # output columns per vector (int32 / float32 lanes)
 STEPS = LANES // 4  # 4-weight steps per group
@@ -220,13 +220,21 @@ def _pmaddwd(pairs, m):
     return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, m)
 
 
+def add_terms(total, terms):
+    """`total + terms[0] + terms[1] + ...`, left to right: an FMA per product term."""
+    for term in terms:
+        total = total + term
+    return total
+
+
 def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool = False):
     """A macro: columns `n0..n0+7` for `rows` (<= `max_rows`) sequences from `r0`, the whole K.
 
     Arguments as `int8_batched`'s tiles: the weight buffer and the quantized activations
     (xq, xm, xr, xs), then `out`. Prefill (`int8_prefill_columns`) takes more rows per tile
     than decode, to share each group's transpose among them, and reads xq and xm group-major
-    (`group_major`, see `int8_ops.quantize_macro`).
+    (`group_major`, see `int8_ops.quantize_macro`); there `xm` is one word per row and group
+    (`m` twice), or, for the formats that apply `m` in float, float32 `[groups, rows]`.
     """
     halves = offset_halves(qtype)
     signed = codes_of(qtype).signed
@@ -277,26 +285,33 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool 
         return total
 
     def update(ct, sc, xq, xm, xs, row, g):
-        """Per column: this group's products, and its offsets times the activation sums."""
+        """Per column: this group's terms for `acc` and for `off` (each added in turn, so
+        that every term is one FMA): its products times the scales, its offsets times the
+        activation sums."""
         m_at = [g, row, 0] if group_major else [row, g * MULT_LANES]
-        if in_int32:
+        if in_int32 and group_major:  # m twice in one word (int8_ops.quantize_macro)
+            word = tirx.reinterpret("int32", xm.vload(m_at, f"int16x{WORD_LANES}"))
+            m = tirx.reinterpret(f"int16x{MULT_LANES}", tirx.Broadcast(word, COLS))
+        elif in_int32:
             m = xm.vload(m_at, "int16x16")
         else:  # pmaddwd by ones; the multiplier in float below
             m = tirx.Broadcast(tirx.const(1, "int16"), MULT_LANES)
-        dots = None
-        offs = None
-        for h in range(halves):
-            scaled = tirx.Cast("float32x8", half_sum(ct, xq, m, row, g, h)) * sc.vload(
-                [h * COLS], "float32x8"
-            )
-            shift = sc.vload([(2 + h) * COLS], "float32x8") * tirx.Broadcast(
-                xs[g * halves + h, row], COLS
-            )
-            dots = scaled if dots is None else dots + scaled
-            offs = shift if offs is None else offs + shift
-        if not in_int32:
-            dots = dots * tirx.Broadcast(tirx.Cast("float32", xm[tuple(m_at)]), COLS)
-        return dots, offs
+        sums = [tirx.Cast("float32x8", half_sum(ct, xq, m, row, g, h)) for h in range(halves)]
+        scales = [sc.vload([h * COLS], "float32x8") for h in range(halves)]
+        offs = [
+            sc.vload([(2 + h) * COLS], "float32x8") * tirx.Broadcast(xs[g * halves + h, row], COLS)
+            for h in range(halves)
+        ]
+        if in_int32:
+            return [s * c for s, c in zip(sums, scales, strict=True)], offs
+        if group_major:  # `xm` is the float multiplier (int8_prefill_columns): a load
+            mf = tirx.Broadcast(xm[g, row], COLS)
+        else:
+            mf = tirx.Broadcast(tirx.Cast("float32", xm[tuple(m_at)]), COLS)
+        dots = sums[0] * scales[0]
+        for s, c in zip(sums[1:], scales[1:], strict=True):
+            dots = dots + s * c
+        return [dots * mf], offs
 
     @T.macro
     def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
@@ -348,8 +363,8 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool 
             store_scales(sc, w, n0, g)
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
-                acc[T.Ramp(r * COLS, 1, COLS)] = acc[T.Ramp(r * COLS, 1, COLS)] + upd[0]
-                off[T.Ramp(r * COLS, 1, COLS)] = off[T.Ramp(r * COLS, 1, COLS)] + upd[1]
+                acc[T.Ramp(r * COLS, 1, COLS)] = add_terms(acc[T.Ramp(r * COLS, 1, COLS)], upd[0])
+                off[T.Ramp(r * COLS, 1, COLS)] = add_terms(off[T.Ramp(r * COLS, 1, COLS)], upd[1])
         for r in range(rows):
             out[r0 + r, 0, T.Ramp(n0, 1, COLS)] = (
                 T.Broadcast(xr[r0 + r], COLS) * acc[T.Ramp(r * COLS, 1, COLS)]

@@ -44,6 +44,7 @@ from ..tir_common import add, lanes, maximum, reduce_lanes
 from .int8_codes import LANES, codes_of
 
 MULT_LANES = 16  # int16 lanes of xm per group: pmaddwd's second operand
+WORD_LANES = 2  # int16 lanes of xm per group, group-major: one word a tile broadcasts
 M_MAX = 32767  # the largest group's multiplier
 N_CHUNK = 16  # output columns per parallel task
 # The one-row kernels' memory access (`int8_vnni_row`'s doc has the measurements): each row's
@@ -108,9 +109,10 @@ def quantize_macro(
     rows can run in parallel), then, once the row's largest `d` is known, the multipliers and
     the codes against the scale they give.
 
-    `group_major`: xq is `[groups, rows, LANES]` and xm `[groups, rows, MULT_LANES]` instead of
+    `group_major`: xq is `[groups, rows, LANES]` and xm `[groups, rows, WORD_LANES]` instead of
     `[rows, K]` and `[rows, groups * MULT_LANES]`, so that a tile walking many rows of one group
-    reads them contiguously (`int8_prefill_columns`).
+    reads them contiguously (`int8_prefill_columns`); `m` is kept twice, one 32-bit word that
+    the tile broadcasts to `pmaddwd`'s 16 lanes with a load (`vpbroadcastd`), not 32 bytes.
 
     `m_max` and `unit_groups`, for kernels that multiply `m` by a weight's integer sub-scale
     in int16 (`int8_kquant_row`): the largest multiplier, and a step per `unit_groups`
@@ -151,7 +153,7 @@ def quantize_macro(
                 q: T.let[T.int32x32] = qs.vload([0], "int32x32")
                 if group_major:
                     xq[g, r, T.Ramp(0, 1, LANES)] = T.Cast("int8x32", q)
-                    xm[g, r, T.Ramp(0, 1, MULT_LANES)] = T.Broadcast(T.Cast("int16", m), MULT_LANES)
+                    xm[g, r, T.Ramp(0, 1, WORD_LANES)] = T.Broadcast(T.Cast("int16", m), WORD_LANES)
                 else:
                     xq[r, T.Ramp(g * LANES, 1, LANES)] = T.Cast("int8x32", q)
                     xm[r, T.Ramp(g * MULT_LANES, 1, MULT_LANES)] = T.Broadcast(
