@@ -55,6 +55,7 @@ from bench_files import gemma3_270m  # noqa: F401  (the old home of the wheel jo
 
 PROMPT_TOKENS = 500
 DECODE_TOKENS = 128  # --decode-tokens: fewer keep an 8B round (~3-5 tok/s here) short
+MIN_CONTEXT = 4096  # KV cache tokens of each side (a round of a longer prompt takes more)
 
 
 class TallowSide:
@@ -62,10 +63,11 @@ class TallowSide:
 
     name = "tallow"
 
-    def __init__(self, artifact: Path, threads: int) -> None:
+    def __init__(self, artifact: Path, threads: int, context: int = MIN_CONTEXT) -> None:
         from tallow.runtime.model_runner import KVCacheConfig, TVMModelRunner
 
-        self.runner = TVMModelRunner(artifact, kv=KVCacheConfig(1, 4096, 512), threads=threads)
+        kv = KVCacheConfig(1, context, 512)
+        self.runner = TVMModelRunner(artifact, kv=kv, threads=threads)
         self.vocab = self.runner.vocab_size
         self._seq = 0
 
@@ -94,10 +96,10 @@ class LlamaCppSide:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf: Path, threads: int) -> None:
+    def __init__(self, gguf: Path, threads: int, context: int = MIN_CONTEXT) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+        self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_batch=512, verbose=False)
         self.vocab = self.llm.n_vocab()
 
     def _last_logits(self) -> np.ndarray:
@@ -122,10 +124,10 @@ class LlamaCppSide:
 SIDES = {side.name: side for side in (TallowSide, LlamaCppSide)}
 
 
-def _side_loop(kind: str, path: str, threads: int, conn) -> None:
+def _side_loop(kind: str, path: str, threads: int, context: int, conn) -> None:
     """A side's own process: load once, send the vocabulary size, then run each prompt sent
     and send back (prefill tok/s, decode tok/s); None ends it."""
-    side = SIDES[kind](Path(path), threads)
+    side = SIDES[kind](Path(path), threads, context)
     conn.send(side.vocab)
     while (job := conn.recv()) is not None:
         conn.send(side.run(*job))
@@ -135,12 +137,12 @@ class SideProcess:
     """One side in a spawned process, so the two runtimes never share one (see the docstring
     of this module)."""
 
-    def __init__(self, kind: str, path: Path, threads: int) -> None:
+    def __init__(self, kind: str, path: Path, threads: int, context: int) -> None:
         self.name = kind
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_side_loop, args=(kind, str(path), threads, child), daemon=True
+            target=_side_loop, args=(kind, str(path), threads, context, child), daemon=True
         )
         self._proc.start()
         self.vocab = self._conn.recv()
@@ -199,15 +201,20 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     files = _files(args, Path(tmp.name))
     sides, weights = {}, {}
+    # both sides' caches hold a round (a 16k prompt needs more than the 4096 default)
+    context = max(MIN_CONTEXT, args.prompt_tokens + args.decode_tokens + 16)
     for name, path in files:
         art = bench_files.compiled(path, args.artifact_dir, args.quant)
         weights[name] = weight_bytes_per_token(path)
         if args.same_process:
-            sides[name] = (TallowSide(art, args.threads), LlamaCppSide(path, args.threads))
+            sides[name] = (
+                TallowSide(art, args.threads, context),
+                LlamaCppSide(path, args.threads, context),
+            )
         else:
             sides[name] = (
-                SideProcess("tallow", art, args.threads),
-                SideProcess("llama.cpp", path, args.threads),
+                SideProcess("tallow", art, args.threads, context),
+                SideProcess("llama.cpp", path, args.threads, context),
             )
     stream = Stream(args.threads)
     streams = [stream.best()]
