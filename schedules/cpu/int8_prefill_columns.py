@@ -138,9 +138,7 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                     )
                     T.writes(rows_out[:, 0, nb * COLS : nb * COLS + COLS])
                     r0: T.let[T.int64] = rt * rows
-                    if float_m:
-                        tile(w, nb * COLS, r0, T.min(tokens - r0, rows), xq, xf, xr, xs, rows_out)
-                    else:
-                        tile(w, nb * COLS, r0, T.min(tokens - r0, rows), xq, xm, xr, xs, rows_out)
+                    mult = T.meta_var(xf if float_m else xm)
+                    tile(w, nb * COLS, r0, T.min(tokens - r0, rows), xq, mult, xr, xs, rows_out)
 
     return gemm
