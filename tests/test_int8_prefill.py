@@ -6,6 +6,7 @@ the activations rounded as `cpu.int8_ops` documents, in numpy float64.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import tvm
@@ -78,7 +79,8 @@ COLUMNS_IN_DECODE = [q for q in COLUMN_FORMATS if QUANT_FORMATS[q].int8.column_t
 @pytest.mark.parametrize("qtype", COLUMN_FORMATS)
 def test_avx2_prefill_matches_numpy(qtype):
     """AVX2 column tiles over the tokens: below one tile of `ROWS` rows (3, 37), a whole one
-    plus a rest (`ROWS + 5`), 64 output columns (8 parallel blocks). Each row is the product of
+    plus a rest (`ROWS + 5`), 64 output columns (8 parallel blocks); the lattice i-quants with
+    their grid as a third input (each row's codes decoded once a group). Each row is the product of
     its rounded activations; where batch_decode takes the column tiles too, bit for bit its
     rows; and a row's bits do not depend on the tile it lands in or its place there (the last 3
     rows of `ROWS + 5` tokens sit in the second tile, alone they are the first tile's first
@@ -87,6 +89,7 @@ def test_avx2_prefill_matches_numpy(qtype):
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=41)
     lib = _build(int8_prefill_columns.prefill_kernel(qtype, n, k))
+    grid = _table(qtype) if qtype in LATTICE_TYPES else []  # (x, w, table, out)
     decode = None
     if qtype in COLUMNS_IN_DECODE:
         decode = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=False))
@@ -96,7 +99,9 @@ def test_avx2_prefill_matches_numpy(qtype):
     for tokens in (3, 37, longest):
         x = x_all[-tokens:]  # the last rows: each count puts a row in another tile position
         out = tvm.runtime.empty((1, tokens, n), "float32")
-        lib["main"](tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), out)
+        lib["main"](
+            tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), *grid, out
+        )
         got = out.numpy().reshape(tokens, n)
         ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq))
         err = np.abs(got - ref)
@@ -110,6 +115,51 @@ def test_avx2_prefill_matches_numpy(qtype):
             np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
     np.testing.assert_array_equal(results[3], results[longest][-3:])
     np.testing.assert_array_equal(results[37], results[longest][-37:])
+
+
+def _iq3_s_at_extremes(signs: np.ndarray) -> np.ndarray:
+    """IQ3_S rows whose every 4 weights are the grid entry (15, 15, 1, 1): the first pair of
+    each step at the grid's largest value; signs of `signs` (n, k: +-1), and every group scale
+    the largest (d * 31)."""
+    n, k = signs.shape
+    grid = QUANT_FORMATS["iq3_s"].table().reshape(-1, 4)
+    (index,) = np.flatnonzero((grid == (15, 15, 1, 1)).all(axis=1))  # 9 bits: byte, high bit
+    blocks = np.zeros((n, k // 256, 110), np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks[..., 2:66] = index & 0xFF
+    blocks[..., 66:74] = 0xFF if index >> 8 else 0
+    negative = (signs < 0).reshape(n, k // 256, 256)
+    blocks[..., 74:106] = np.packbits(negative, axis=-1, bitorder="little")
+    blocks[..., 106:110] = 0xFF
+    return blocks.reshape(n, -1)
+
+
+@needs_avx2
+def test_avx2_lattice_prefill_at_the_int16_bound():
+    """iq3_s in the column tiles as unsigned codes (`int8_columns.unsigned_view`: (code + 15)
+    / 2, 8 steps summed in int16 and the multiplier applied in int32): every weight at the
+    grid's largest value against full-scale activations of the same signs, so each int16 lane
+    reaches 8 x 2 x 15 x 127 = 30480 (the steps' first pairs) and every group's multiplier is
+    the largest. An overflow would show as a huge error."""
+    k, n, tokens = 512, 16, 6
+    signs = np.random.default_rng(13).choice([-1.0, 1.0], size=(n, k))
+    blocks = _iq3_s_at_extremes(signs)
+    deq = gguf.quants.dequantize(blocks, QUANT_FORMATS["iq3_s"].ggml_type).reshape(n, k)
+    assert (np.abs(deq[:, 0::4]) == np.abs(deq).max()).all()  # the pairs at the extreme
+    x = np.stack([signs[i % n] * (1 - 2 * (i % 2)) for i in range(tokens)]).astype(np.float32)
+    x = x.reshape(tokens, 1, k) * 3
+    out = tvm.runtime.empty((1, tokens, n), "float32")
+    lib = _build(int8_prefill_columns.prefill_kernel("iq3_s", n, k))
+    lib["main"](
+        tvm.runtime.tensor(x.reshape(1, tokens, k)),
+        tvm.runtime.tensor(blocks),
+        *_table("iq3_s"),
+        out,
+    )
+    ref, bound = (a.reshape(tokens, n) for a in _oracle(x, deq.astype(np.float64)))
+    err = np.abs(out.numpy().reshape(tokens, n) - ref)
+    assert (err <= 1e-5 * bound + 1e-6).all(), f"max err {err.max()}"
+    assert np.abs(ref).max() > 0.99 * bound.max()  # a row of same-sign products really ran
 
 
 @needs_vnni
@@ -169,32 +219,19 @@ def test_pass_replaces_prefill_kernels_only(vnni, block):
     }
 
 
-def test_avx2_pass_leaves_the_lattice_formats_to_the_float_tiles():
-    """The lattice i-quants decode through a constant table, a fourth kernel input the column
-    tiles do not take: their prefill keeps the float schedule, and a module with nothing
-    replaced reports float activations. (The signed formats, q8_0 and the 4-bit i-quants,
-    take the column tiles through the sign trick: `test_avx2_prefill_matches_numpy`.)"""
-    k, n = 256, 32
-    mod, _ = _Projections(k, n, "iq3_s").export_tvm(
-        {"prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")}}
-    )
-    report = BuildReport()
-    out = int8_prefill_kernels(report, vnni=False)(mod)
-    assert not any('T.sblock("dot_columns")' in f.script() for _, f in out.functions_items())
-    assert report.to_details() == {"prefill_activations": "float32", "int8_prefill_kernels": 0}
-
-
-def test_vnni_pass_gives_the_lattice_formats_int8_tiles():
-    """On AVX-512 VNNI the tiles take the grid as the fused kernel did (x, w, table, out), so
+@pytest.mark.parametrize(("vnni", "block"), [(True, "dot_vnni"), (False, "dot_columns")])
+def test_pass_gives_the_lattice_formats_int8_tiles(vnni, block):
+    """On both levels the tiles take the grid as the fused kernel did (x, w, table, out), so
     an IQ3_S projection's prefill gets int8 activations (its numbers:
-    `test_lattice_prefill_matches_numpy`). Only TIR is built: this runs on any CPU."""
+    `test_lattice_prefill_matches_numpy`, `test_avx2_prefill_matches_numpy`). Only TIR is
+    built: this runs on any CPU."""
     k, n = 256, 32
     mod, _ = _Projections(k, n, "iq3_s").export_tvm(
         {"prefill": {"x": nn.spec.Tensor([1, "s", k], "float32")}}
     )
     report = BuildReport()
-    out = int8_prefill_kernels(report, vnni=True)(mod)
-    (int8,) = [f for _, f in out.functions_items() if 'T.sblock("dot_vnni")' in f.script()]
+    out = int8_prefill_kernels(report, vnni=vnni)(mod)
+    (int8,) = [f for _, f in out.functions_items() if f'T.sblock("{block}")' in f.script()]
     assert len(int8.params) == 4
     assert report.to_details() == {
         "prefill_activations": "int8_g32_row_step",

@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 from quant_blocks import set_scale
+from test_int8_decode import HAS_VNNI
 from test_iquants import F16_EDGES, PROMPTS, _dequantized_twin
 
 from tallow.compiler.quant import QUANT_FORMATS, dequantize, quantize
@@ -195,9 +196,24 @@ def _rounding_linears(float_weights: set):
 
 
 @pytest.mark.slow
-def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "cpu",
+    [
+        None,
+        pytest.param(
+            ["x86-64-v3"],
+            marks=pytest.mark.skipif(
+                not HAS_VNNI, reason="native is the AVX2 build here: the case above"
+            ),
+        ),
+    ],
+    ids=["native", "x86-64-v3"],
+)
+def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path, cpu):
     """A GGUF whose matrices are the seven lattice i-quants (random valid blocks, about the
-    model's weights' size) compiles for this CPU with every tensor in its own type, and its
+    model's weights' size) compiles for this CPU (and, on an AVX-512 VNNI host, for AVX2:
+    `--cpu x86-64-v3`, whose prefill takes `int8_prefill_columns`' tiles) with every tensor
+    in its own type, and its
     logits are transformers' on the weights `gguf` decodes from those bytes: the prompts'
     prefill to float32 rounding (float activations; on AVX-512 VNNI int8 ones, within their
     rounding); a batched decode step and a lone
@@ -214,7 +230,7 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
 
     src = tiny_model_dir("qwen2_wide")
     path = write_gguf(src, tmp_path / "grid.gguf", "qwen2", tensor_types=GRID_TYPES)
-    art = compile_model(CompileOptions(model=str(path), output=tmp_path / "a", quiet=True))
+    art = compile_model(CompileOptions(model=str(path), output=tmp_path / "a", cpu=cpu, quiet=True))
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())
     stored = {p["name"]: p["quant"] for p in manifest["params"]}
     assert stored["lm_head.weight"] == "iq2_xxs"
@@ -230,11 +246,13 @@ def test_grid_gguf_matches_transformers(tiny_model_dir, tmp_path):
         runner.add_sequence(i)
     got = runner.forward(list(enumerate(PROMPTS)))
     (library,) = manifest["libraries"]
-    # AVX-512 VNNI prefills these types with int8 activations too (`int8_prefill`'s tiles):
-    # then the oracle's prefill rounds the inputs of every linear but iq1_m's (float
+    # prefill takes int8 activations for these types on AVX-512 VNNI and AVX2 (the tiles of
+    # `int8_prefill`, `int8_prefill_columns`; float where neither): then the oracle's prefill
+    # rounds the inputs of every linear but iq1_m's (float
     # kernels), and so builds the KV cache the decode steps below read. Measured 2026-12-06
     # (Intel Xeon): 0.10 of logits up to 13.6, against 1.11 from a prefill without rounding
     int8_prefill = library["details"].get("prefill_activations") == "int8_g32_row_step"
+    assert int8_prefill or cpu is None  # the AVX2 build: the column tiles
     iq1_m = {id(layer.mlp.gate_proj.weight) for layer in hf.model.layers}
     rounding = _rounding_linears(iq1_m) if int8_prefill else contextlib.nullcontext()
     with rounding, torch.no_grad():

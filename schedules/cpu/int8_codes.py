@@ -112,8 +112,8 @@ def group(w: tirx.Buffer, qtype: str, n, g, table=None) -> Group:
 def row_kernels_only(qtype: str) -> bool:
     """Whether only the row kernels take `qtype`: `decode`'s one-row kernel (`int8_gemv`)
     and `batch_decode`'s row tiles (`int8_batched`). A format with a constant table (the
-    lattice grids) reaches them as an extra parameter, which only they declare (and, on
-    AVX-512 VNNI, prefill's tiles, `int8_prefill`; and `int8_grid_row`'s one-row kernels);
-    AVX2 prefill and the MoE kernels keep float activations for it, and `batch_decode` takes
-    the AVX2 row tiles on CPUs with AVX-512 VNNI too."""
+    lattice grids) reaches them as an extra parameter, which only they declare (and
+    prefill's tiles on both levels, `int8_prefill` and `int8_prefill_columns`; and
+    `int8_grid_row`'s one-row kernels); the MoE kernels keep float activations for it, and
+    `batch_decode` takes the AVX2 row tiles on CPUs with AVX-512 VNNI too."""
     return get_format(qtype).table is not None

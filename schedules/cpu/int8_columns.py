@@ -48,7 +48,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import prefetch
-from .int8_codes import LANES, codes_of, group
+from .int8_codes import LANES, codes_of, group, u8
 from .int8_ops import M_MAX, MULT_LANES, WORD_LANES, offset_halves
 
 COLS = 8  # output columns per vector (int32 / float32 lanes)
@@ -57,20 +57,54 @@ ROWS = 16  # sequences per tile: the transposed codes are reused this many times
 INT16_MAX = 32767
 
 
+def _steps_in_int16(bound: int) -> int:
+    """Steps whose int16 pair sums (two products, code * activation, |activation| <= 127,
+    |code| <= `bound`) can be added before `pmaddwd` widens them to int32."""
+    steps = INT16_MAX // (2 * 127 * bound)
+    return max(s for s in (1, 2, 4, 8) if s <= steps)
+
+
+def unsigned_view(qtype: str) -> tuple[int, int] | None:
+    """(bias, shift) when the tiles take a lattice format's signed codes as unsigned ones,
+    `(code + bias) >> shift`, the scale times `2**shift` and the offset less `bias` scales; or
+    None (the sign trick).
+
+    A lattice format's codes are grid values with signs (IQ1_S: the value minus one), so the
+    grid's largest entry `b` bounds them: `code + b` lies in 0..2b, and where every entry is
+    odd (iq3_s: 1, 3, .., 15) `(code + b) / 2` is a whole number in 0..b, as a 4-bit
+    format's. Taken where it adds up as many steps in int16 as the sign trick does: then each
+    row saves the trick's `psignb` a step (iq3_s, iq1_s; not iq3_xxs or the IQ2 types, whose
+    doubled range would halve the steps). Transposed codes are rebiased once per group and
+    tile of rows, not per row."""
+    table = get_format(qtype).table
+    if table is None or not codes_of(qtype).signed:
+        return None
+    grid = table()
+    b = int(grid.max())
+    shift = 1 if (grid % 2 == 1).all() else 0
+    unsigned = (2 * b) >> shift
+    return (b, shift) if _steps_in_int16(unsigned) >= _steps_in_int16(b) else None
+
+
 def code_bound(qtype: str) -> int:
-    """The largest code magnitude `pmaddubsw` sees: `max_code` for unsigned codes, 127 for
-    signed ones (the sign trick multiplies |code| with the activation given the code's sign)."""
+    """The largest code magnitude `pmaddubsw` sees: `max_code` for unsigned codes, the
+    largest after `unsigned_view`, the largest grid entry for the other lattice formats
+    (signed, their codes are grid values with signs), 127 for the other signed formats (the
+    sign trick multiplies |code| with the activation given the code's sign). A small bound
+    lets more steps add up in int16 before `pmaddwd`."""
     codes = codes_of(qtype)
-    return 127 if codes.signed else codes.max_code
+    if not codes.signed:
+        return codes.max_code
+    view = unsigned_view(qtype)
+    if view is not None:
+        return (2 * view[0]) >> view[1]
+    table = get_format(qtype).table
+    return 127 if table is None else int(table().max())
 
 
 def flush_steps(qtype: str) -> int:
-    """Steps whose int16 pair sums can be added before `pmaddwd` widens them to int32.
-
-    One step's lane is two products, code * activation, with |activation| <= 127.
-    """
-    steps = INT16_MAX // (2 * 127 * code_bound(qtype))
-    return max(s for s in (1, 2, 4, 8) if s <= steps)
+    """Steps whose int16 pair sums can be added before `pmaddwd` widens them to int32."""
+    return _steps_in_int16(code_bound(qtype))
 
 
 def multiplier_in_int32(qtype: str) -> bool:
@@ -227,17 +261,33 @@ def add_terms(total, terms):
     return total
 
 
+@T.macro
+def store8(buf, at, vectors):
+    """Eight int32x8 vectors (a Python list: a group's 8 steps) into `buf[at:at + 64]`; a
+    macro, as TVMScript takes the list's items only by constant index."""
+    buf[T.Ramp(at, 1, 8)] = vectors[0]
+    buf[T.Ramp(at + 8, 1, 8)] = vectors[1]
+    buf[T.Ramp(at + 16, 1, 8)] = vectors[2]
+    buf[T.Ramp(at + 24, 1, 8)] = vectors[3]
+    buf[T.Ramp(at + 32, 1, 8)] = vectors[4]
+    buf[T.Ramp(at + 40, 1, 8)] = vectors[5]
+    buf[T.Ramp(at + 48, 1, 8)] = vectors[6]
+    buf[T.Ramp(at + 56, 1, 8)] = vectors[7]
+
+
 def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool = False):
     """A macro: columns `n0..n0+7` for `rows` (<= `max_rows`) sequences from `r0`, the whole K.
 
     Arguments as `int8_batched`'s tiles: the weight buffer and the quantized activations
-    (xq, xm, xr, xs), then `out`. Prefill (`int8_prefill_columns`) takes more rows per tile
-    than decode, to share each group's transpose among them, and reads xq and xm group-major
-    (`group_major`, see `int8_ops.quantize_macro`); there `xm` is one word per row and group
-    (`m` twice), or, for the formats that apply `m` in float, float32 `[groups, rows]`.
+    (xq, xm, xr, xs), then `out`, and a lattice format's grid (`table`). Prefill
+    (`int8_prefill_columns`) takes more rows per tile than decode, to share each group's
+    transpose among them, and reads xq and xm group-major (`group_major`, see
+    `int8_ops.quantize_macro`); there `xm` is one word per row and group (`m` twice), or, for
+    the formats that apply `m` in float, float32 `[groups, rows]`.
     """
     halves = offset_halves(qtype)
-    signed = codes_of(qtype).signed
+    view = unsigned_view(qtype)
+    signed = codes_of(qtype).signed and view is None  # (the sign trick)
     half_steps = STEPS // 2 if halves == 2 else STEPS  # steps under one scale
     flush = min(flush_steps(qtype), half_steps)
     in_int32 = multiplier_in_int32(qtype)
@@ -255,6 +305,21 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool 
 
     def codes32(w, n, g):
         return tirx.reinterpret("int32x8", group(w, qtype, n, g).codes)
+
+    if view is not None:  # the scale of one unit of `unsigned_view`'s codes, and its bias
+        bias = tirx.Broadcast(tirx.const(float(view[0]), "float32"), COLS)
+        step = tirx.Broadcast(tirx.const(float(1 << view[1]), "float32"), COLS)
+
+    def rebias(words):
+        """`unsigned_view`'s codes from 32 signed ones (int32x8 in, int32x8 out)."""
+        codes = tirx.reinterpret("uint8x32", words) + u8(view[0])
+        if view[1]:
+            codes = codes >> u8(view[1])
+        return tirx.reinterpret("int32x8", codes)
+
+    def stored32(cb, c):
+        """Row `c`'s codes of the group, decoded into `cb` already (a lattice format)."""
+        return tirx.reinterpret("int32x8", cb.vload([c * LANES], "int8x32"))
 
     def broadcast(xq, row, g, s):
         """Activations 4s..4s+3 of the group, in every 32-bit lane."""
@@ -314,13 +379,14 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool 
         return [dots * mf], offs
 
     @T.macro
-    def tile(w, n0, r0, rows, xq, xm, xr, xs, out):
+    def tile(w, n0, r0, rows, xq, xm, xr, xs, out, table=None):
         # stack arrays (not "local", see int8_ops.quantize_macro)
         acc = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
         off = T.sblock_alloc_buffer((max_rows * COLS,), "float32")
         # transposed codes (signed: |code|, then the codes for their signs)
         ct = T.sblock_alloc_buffer(((2 if signed else 1) * STEPS * COLS,), "int32")
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
+        cb = T.sblock_alloc_buffer((COLS * LANES,), "int8")  # a lattice format's codes
         for i in T.unroll(max_rows):
             acc[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
             off[T.Ramp(i * COLS, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
@@ -329,38 +395,32 @@ def tile_macro(qtype: str, groups: int, max_rows: int = ROWS, group_major: bool 
             # follow them, and the kernel waited on memory)
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
+            # a lattice format (its grid in `table`): each row's codes decoded once, into
+            # `cb` (as expressions, the transpose would copy each row's grid lookups)
+            if table is not None:
+                for c in T.unroll(COLS):
+                    cb[T.Ramp(c * LANES, 1, LANES)] = group(w, qtype, n0 + c, g, table).codes
             tr = T.meta_var(
                 nibble_steps(w, n0, g, block_bytes, nibble_codes_at)
                 if nibbles
+                else transpose([stored32(cb, c) for c in range(COLS)])
+                if table is not None
                 else transpose([codes32(w, n0 + c, g) for c in range(COLS)])
             )
-            if signed:
-                ct[T.Ramp(64, 1, 8)] = tr[0]
-                ct[T.Ramp(72, 1, 8)] = tr[1]
-                ct[T.Ramp(80, 1, 8)] = tr[2]
-                ct[T.Ramp(88, 1, 8)] = tr[3]
-                ct[T.Ramp(96, 1, 8)] = tr[4]
-                ct[T.Ramp(104, 1, 8)] = tr[5]
-                ct[T.Ramp(112, 1, 8)] = tr[6]
-                ct[T.Ramp(120, 1, 8)] = tr[7]
-                ct[T.Ramp(0, 1, 8)] = magnitude32(tr[0])
-                ct[T.Ramp(8, 1, 8)] = magnitude32(tr[1])
-                ct[T.Ramp(16, 1, 8)] = magnitude32(tr[2])
-                ct[T.Ramp(24, 1, 8)] = magnitude32(tr[3])
-                ct[T.Ramp(32, 1, 8)] = magnitude32(tr[4])
-                ct[T.Ramp(40, 1, 8)] = magnitude32(tr[5])
-                ct[T.Ramp(48, 1, 8)] = magnitude32(tr[6])
-                ct[T.Ramp(56, 1, 8)] = magnitude32(tr[7])
+            if signed:  # the codes (for their signs) after their magnitudes
+                store8(ct, STEPS * COLS, tr)
+                store8(ct, 0, [magnitude32(v) for v in tr])
+            elif view is not None:
+                store8(ct, 0, [rebias(v) for v in tr])
             else:
-                ct[T.Ramp(0, 1, 8)] = tr[0]
-                ct[T.Ramp(8, 1, 8)] = tr[1]
-                ct[T.Ramp(16, 1, 8)] = tr[2]
-                ct[T.Ramp(24, 1, 8)] = tr[3]
-                ct[T.Ramp(32, 1, 8)] = tr[4]
-                ct[T.Ramp(40, 1, 8)] = tr[5]
-                ct[T.Ramp(48, 1, 8)] = tr[6]
-                ct[T.Ramp(56, 1, 8)] = tr[7]
-            store_scales(sc, w, n0, g)
+                store8(ct, 0, tr)
+            store_scales(sc, w, n0, g, table)
+            if view is not None:  # codes (code + bias) >> shift: offset, then scale
+                for h in T.unroll(halves):
+                    sc[T.Ramp((2 + h) * COLS, 1, COLS)] = sc[T.Ramp((2 + h) * COLS, 1, COLS)] - (
+                        sc[T.Ramp(h * COLS, 1, COLS)] * bias
+                    )
+                    sc[T.Ramp(h * COLS, 1, COLS)] = sc[T.Ramp(h * COLS, 1, COLS)] * step
             for r in range(rows):
                 upd = T.meta_var(update(ct, sc, xq, xm, xs, r0 + r, g))
                 acc[T.Ramp(r * COLS, 1, COLS)] = add_terms(acc[T.Ramp(r * COLS, 1, COLS)], upd[0])

@@ -146,6 +146,13 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                             r, 0, T.Ramp(0, 1, COLS)
                         ]
 
+    return prefill_func(qtype, n_out, rb, body)
+
+
+def prefill_func(qtype: str, n_out: int, rb: int, body):
+    """The PrimFunc around a prefill kernel's `body` macro, (x_handle, w, out_handle, table):
+    the parameters of the `quant_matmul` it replaces, (x, w, out), or (x, w, table, out) for
+    a format with a constant table (the lattice i-quants' grids), `table` None otherwise."""
     if get_format(qtype).table is not None:  # a lattice format: its grid, a constant input
         size = len(get_format(qtype).table())
 
@@ -183,10 +190,10 @@ def prefill_kernel_for(func, vnni: bool = True):
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs:
         return None
     qtype = str(func.attrs[QUANT_TYPE_ATTR])
-    # a lattice format's grid comes as a third input (x, w, table, out): the VNNI tiles
-    # take it, the AVX2 column tiles do not
+    # a lattice format's grid comes as a third input (x, w, table, out), which both tile
+    # families take
     with_table = format_of(qtype).table is not None
-    if len(func.params) != (4 if with_table else 3) or (with_table and not vnni):
+    if len(func.params) != (4 if with_table else 3):
         return None
     x, w, out = func.params[0], func.params[1], func.params[-1]  # (TVM 0.27: typed params)
     if len(x.shape) != 3 or static_extent(x.shape[0]) != 1 or len(w.shape) != 2:

@@ -54,9 +54,21 @@ would overflow the int16 pairs). Their pairs reach 2 x 127 x 127, so each step i
 at once. Llama 3.2 3B's shapes, 500 tokens, one thread, CPU time, best of 3 interleaved
 rounds (AMD EPYC Zen 3, quiet), float tiles -> these: iq4_xs q/k/v 276 -> 187 ms, o 131 ->
 113, gate/up 852 -> 599, down 372 -> 374; q8_0 261 -> 184, 124 -> 109, 842 -> 612, 347 ->
-353 (q4k, unsigned: 274 -> 140, 130 -> 73, 885 -> 388, 375 -> 216). The lattice i-quants
-(a constant table as a fourth input) keep the float tiles, as does everything on CPUs
-without AVX2.
+353 (q4k, unsigned: 274 -> 140, 130 -> 73, 885 -> 388, 375 -> 216). Everything on CPUs
+without AVX2 keeps the float tiles.
+
+The lattice i-quants (iq3_s, iq3_xxs, the IQ2 types, iq1_s) take the column tiles with their
+grid as a third input (x, w, table, out), as the fused kernel did: each of a tile's 8 rows'
+codes is decoded once a group into a stack buffer and transposed from there (as in the VNNI
+tiles). Their codes are grid values with signs, bounded by the grid's largest entry, so the
+tiles size the int16 sums by that (`int8_columns.code_bound`), and iq3_s's (odd values up to
+15) and iq1_s's are taken unsigned, `(code + 15) / 2` as a 4-bit format's with the bias in
+the offset (`int8_columns.unsigned_view`): no `psignb`, 8 steps in int16, the multiplier in
+int32. Llama 3.2 3B's IQ3_M file (iq3_s in q/k/v, gate/up and down), 500 tokens, 2 threads,
+Intel Xeon, x86-64-v3 build, ms per call in one profiled prefill (`prefill_profile.py`),
+float tiles -> column tiles with the sign trick -> unsigned: gate/up 323 -> 199 -> 101, down
+(+ residual) 134 -> 103 -> 60, q/k/v 81 -> 49 -> 26 (q4k's gate/up: 95); the whole prefill
+16.2 -> 10.6 -> 6.6 s, 31 -> 47 -> 76 tok/s.
 
 Numerics: as `batch_decode`'s, not float; the manifest says so
 (`target.details.prefill_activations`). Tests compare with numpy on gguf's dequantizers,
@@ -70,8 +82,9 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from . import int8_columns
-from .int8_codes import LANES, row_kernels_only
+from .int8_codes import LANES
 from .int8_ops import WORD_LANES, offset_halves, quantize_macro
+from .int8_prefill import prefill_func
 
 COLS = int8_columns.COLS  # output columns per tile and per parallel task
 ROWS = 256  # token rows sharing one transposed group of codes
@@ -79,17 +92,16 @@ ROWS = 256  # token rows sharing one transposed group of codes
 
 def supported(qtype: str) -> bool:
     """Whether the AVX2 column tiles can take `qtype`: unsigned codes of known range, or
-    signed codes (the i-quants, q8_0) through the sign trick."""
+    signed codes (the i-quants, lattice ones included, and q8_0) through the sign trick."""
     codes = get_format(qtype).int8
-    if codes is None or row_kernels_only(qtype):  # a lattice table: an extra kernel input
-        return False
-    return codes.signed or codes.max_code is not None
+    return codes is not None and (codes.signed or codes.max_code is not None)
 
 
 def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     """`out[0, t, :] = x[0, t, :] @ dequantize(w)^T` for a symbolic token count.
 
-    Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out)."""
+    Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out), or (x, w,
+    table, out) for a format with a constant table (the lattice i-quants' grids)."""
     if k % LANES or n_out % COLS:
         raise ValueError(f"int8 prefill needs k % {LANES} == 0 and n % {COLS} == 0")
     if not supported(qtype):
@@ -103,9 +115,8 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     # row and group (the tile then broadcasts it with a load, not a load and two converts)
     float_m = not int8_columns.multiplier_in_int32(qtype)
 
-    @T.prim_func(s_tir=True, private=True)
-    def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+    @T.macro
+    def body(x_handle, w, out_handle, table):
         tokens = T.int64()
         x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
         out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
@@ -139,6 +150,17 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                     T.writes(rows_out[:, 0, nb * COLS : nb * COLS + COLS])
                     r0: T.let[T.int64] = rt * rows
                     mult = T.meta_var(xf if float_m else xm)
-                    tile(w, nb * COLS, r0, T.min(tokens - r0, rows), xq, mult, xr, xs, rows_out)
+                    tile(
+                        w,
+                        nb * COLS,
+                        r0,
+                        T.min(tokens - r0, rows),
+                        xq,
+                        mult,
+                        xr,
+                        xs,
+                        rows_out,
+                        table,
+                    )
 
-    return gemm
+    return prefill_func(qtype, n_out, rb, body)

@@ -10,10 +10,10 @@ why that way).
 
 What runs: on the CPU, the int8-activation kernels of `decode` and `batch_decode` (the AVX2
 row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights;
-iq3_s's `decode` takes `schedules.cpu.int8_grid_row`'s, on both levels: `GridCodes`), on
-AVX-512 VNNI prefill too (`int8_prefill`'s tiles, the grid passed along), and the float
-fused dequantize-matmul elsewhere (AVX2 prefill, the embedding); not the MoE grouped kernels
-nor the GPU schedules, which refuse these types when compiling.
+iq3_s's `decode` takes `schedules.cpu.int8_grid_row`'s, on both levels: `GridCodes`),
+prefill's int8 tiles on both levels (`int8_prefill`, `int8_prefill_columns`: the grid passed
+along), and the float fused dequantize-matmul elsewhere (the embedding); not the MoE
+grouped kernels nor the GPU schedules, which refuse these types when compiling.
 Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EPYC Zen 3,
 `benchmarks/lattice_decode.py`), float -> int8 kernel: iq3_s 4.87 -> 0.67 ms, iq3_xxs
 5.39 -> 0.89, iq2_s 1.28 -> 0.59, iq2_xs 1.53 -> 1.09, iq2_xxs 1.53 -> 0.85, iq1_s
