@@ -4,10 +4,10 @@ The model emits every quantized linear layer as one fused dequantize-matmul Prim
 with its weight format (`model_defs.quant_ops.QUANT_TYPE_ATTR`). In `decode` and
 `batch_decode` its input is `[batch, 1, K]`: one token per sequence. For those kernels this
 pass substitutes `schedules.cpu.int8_gemv`'s hand-written kernel, with the same parameters
-(x, w, out; x, w, table, out for a format with a constant table, which takes the AVX2 row
-kernels only: `int8_codes.row_kernels_only`), before fusion: it is marked opaque, so
-fusion leaves it whole (an epilogue such as a bias add stays a separate, small kernel).
-Prefill kernels (a symbolic token axis) keep float activations and the tiled schedule.
+(x, w, out; x, w, table, out for a format with a constant table, the lattice grids:
+`int8_codes.has_table`), before fusion: it is marked opaque, so fusion leaves it whole (an
+epilogue such as a bias add stays a separate, small kernel). Prefill kernels (a symbolic
+token axis) are `int8_prefill_pass`'s.
 
 On CPUs with AVX-512 VNNI the batched kernels take `schedules.cpu.int8_vnni`'s column tiles
 and `decode`'s one-row kernels `int8_vnni_row`'s (the same numbers, fewer instructions);

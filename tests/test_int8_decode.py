@@ -24,13 +24,9 @@ from tallow.compiler.quant import QUANT_FORMATS, quantize
 from tallow.compiler.target import BuildReport, resolve_target
 from tallow.model_defs.quant_ops import QuantLinear
 from tallow.schedules.cpu import int8_gemv, int8_vnni
-from tallow.schedules.cpu.int8_codes import row_kernels_only
 
-# the formats with int8-activation kernels (the TQ types and iq1_m have none: float kernels),
-# and those that also take the column and VNNI tiles (not the lattice i-quants: their grid
-# table reaches the AVX2 row kernels only, `int8_codes.row_kernels_only`)
+# the formats with int8-activation kernels (the TQ types and iq1_m have none: float kernels)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None]
-TILED_TYPES = [q for q in INT8_TYPES if not row_kernels_only(q)]
 
 TARGET = resolve_target("cpu", "f32").tvm()
 HAS_VNNI = int8_vnni.supported(TARGET)
@@ -304,15 +300,16 @@ def test_batched_rows_do_not_depend_on_the_batch(qtype, vnni):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", TILED_TYPES)
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_vnni_tiles_match_numpy(qtype):
     """Every format through `cpu.int8_vnni`'s 16-column tiles (what `batch_decode` runs on
-    CPUs with AVX-512 VNNI): one partial tile (1, 4, 13 sequences), a whole one (16), whole
-    ones and a rest (19, 33), and 64 output columns: four 16-column blocks."""
+    CPUs with AVX-512 VNNI; a lattice format's grid a third input): one partial tile (1, 4,
+    13 sequences), a whole one (16), whole ones and a rest (19, 33), and 64 output columns:
+    four 16-column blocks."""
     k = 96 if QUANT_FORMATS[qtype].block_size == 32 else 512
     n = 64
     blocks, deq = _weights(qtype, n, k, seed=21)
-    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True), qtype)
     for batch in (1, 4, 13, 16, 19, 33):
         x = _activations(batch, k, seed=22 + batch)
         _check(kernel(x, blocks, n), x, deq)
@@ -428,8 +425,9 @@ def test_pass_replaces_decode_kernels_only():
 
 def test_pass_gives_a_lattice_type_the_row_kernels():
     """An IQ3_S projection (its grid a constant third input): `decode` and `batch_decode` get
-    the int8 kernels, taking the table as the fused kernel did; prefill keeps the float one.
-    Their numbers: `test_gemv_matches_numpy`, `test_batched_matches_numpy`."""
+    the int8 kernels, taking the table as the fused kernel did; prefill is the prefill pass's
+    (`test_int8_prefill.py`). Their numbers: `test_gemv_matches_numpy`,
+    `test_batched_matches_numpy`."""
     k, n, qtype = 512, 32, "iq3_s"
     specs = {
         "decode": {"x": nn.spec.Tensor([1, 1, k], "float32")},

@@ -21,7 +21,7 @@ from tallow.schedules.cpu import int8_gemv, int8_prefill_columns
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
 # the formats with int8-activation kernels (the TQ types have none: float kernels) beyond
-# `decode`'s one row (not the lattice i-quants: int8_codes.row_kernels_only)
+# `decode`'s one row (the lattice i-quants, `int8_codes.has_table`, below: a third input)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None and f.table is None]
 
 SAME_AS_DECODE = ("q5_0", "q4k", "q6k", "q8_0")
@@ -111,7 +111,7 @@ def test_avx2_prefill_matches_numpy(qtype):
         results[tokens] = got
         if decode is not None:
             rows = tvm.runtime.empty((tokens, 1, n), "float32")
-            decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), rows)
+            decode["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(blocks), *grid, rows)
             np.testing.assert_array_equal(got, rows.numpy().reshape(tokens, n))
     np.testing.assert_array_equal(results[3], results[longest][-3:])
     np.testing.assert_array_equal(results[37], results[longest][-37:])

@@ -37,7 +37,7 @@ from tallow.schedules.cpu import (
 from tallow.schedules.cpu.int8_prefill import prefill_kernel
 
 # the formats with int8-activation kernels (the TQ types have none: float kernels) beyond
-# `decode`'s one row (not the lattice i-quants: int8_codes.row_kernels_only)
+# `decode`'s one row (the lattice i-quants, `int8_codes.has_table`, take a third input)
 INT8_TYPES = [q for q, f in QUANT_FORMATS.items() if f.int8 is not None and f.table is None]
 
 pytestmark = pytest.mark.skipif(not int8_gemv.supported(TARGET), reason="this CPU has no AVX2")
@@ -110,13 +110,13 @@ def test_vnni_grid_row_kernel(emulated):
         _check(kernel(x, blocks, 32), x, deq)
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("qtype", [*INT8_TYPES, "iq3_s"])
 def test_vnni_tiles(emulated, qtype):
     """`batch_decode`'s 16-column tiles (`int8_vnni`): partial, whole and several tiles of
-    sequences, four 16-column blocks."""
+    sequences, four 16-column blocks; a lattice format with its grid as a third input."""
     k, n = _k(qtype, 96, 512), 64
     blocks, deq = _weights(qtype, n, k, seed=21)
-    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+    kernel = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True), qtype)
     for batch in (1, 13, 16, 19, 33):
         x = _activations(batch, k, seed=22 + batch)
         _check(kernel(x, blocks, n), x, deq)

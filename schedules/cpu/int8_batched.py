@@ -40,7 +40,7 @@ from tallow.compiler.quant.registry import get_format
 
 from . import int8_columns as columns
 from . import int8_vnni as vnni_columns
-from .int8_codes import LANES, codes_of, group, row_kernels_only
+from .int8_codes import LANES, codes_of, group
 from .int8_ops import (
     MULT_LANES,
     N_CHUNK,
@@ -77,7 +77,8 @@ def batched_kernel(
     """`out[b, 0, :] = x[b, 0, :] @ dequantize(w)^T` for a batch of sequences.
 
     `batch` is static or None (symbolic, `batch_decode`). Parameters (x, w, out) as the
-    `quant_matmul` PrimFunc it replaces. Where `vnni` (the target has AVX-512 VNNI), every
+    `quant_matmul` PrimFunc it replaces, or (x, w, table, out) for a lattice format (its
+    grid, which every tile family here takes). Where `vnni` (the target has AVX-512 VNNI), every
     batch takes the column tiles of `int8_vnni` (from one sequence on they beat these row
     tiles). Otherwise the formats with `Int8Codes.column_tiles` take `int8_columns`' tiles
     at every batch size, and the others whole tiles of `TILE_ROWS` sequences first, then the
@@ -103,8 +104,6 @@ def batched_kernel(
     tail4 = _tail_macro(qtype, groups, TAIL_ROWS, count4, first4, n_out, rb, B)
     tail2 = _tail_macro(qtype, groups, 2, count2, first2, n_out, rb, B)
     tail1 = _tail_macro(qtype, groups, 1, left % 2, first2 + count2 * 2, n_out, rb, B)
-    if row_kernels_only(qtype):
-        column_tiles = False
     vnni = vnni and column_tiles
     use_columns = column_tiles and not vnni and codes_of(qtype).column_tiles
     column_tile = columns.tile_macro(qtype, groups) if use_columns else None
@@ -126,7 +125,7 @@ def batched_kernel(
             tail1(nc, w, xq, xm, xr, xs, out, table)
 
     @T.macro
-    def column_tiles(w, xq, xm, xr, xs, out):
+    def column_tiles(w, xq, xm, xr, xs, out, table):
         for nb in T.parallel(n_out // COLUMN_COLS):
             for rt in range((B + columns.ROWS - 1) // columns.ROWS):
                 with T.sblock("dot_columns"):
@@ -140,11 +139,20 @@ def batched_kernel(
                     T.writes(out[:, 0, nb * COLUMN_COLS : nb * COLUMN_COLS + COLUMN_COLS])
                     r0: T.let[T.int64] = rt * columns.ROWS
                     column_tile(
-                        w, nb * COLUMN_COLS, r0, T.min(B - r0, columns.ROWS), xq, xm, xr, xs, out
+                        w,
+                        nb * COLUMN_COLS,
+                        r0,
+                        T.min(B - r0, columns.ROWS),
+                        xq,
+                        xm,
+                        xr,
+                        xs,
+                        out,
+                        table,
                     )
 
     @T.macro
-    def vnni_tiles(w, xq, steps, xs, out):
+    def vnni_tiles(w, xq, steps, xs, out, table):
         for nb in T.parallel(n_out // VNNI_COLS):
             for rt in range((B + vnni_columns.ROWS - 1) // vnni_columns.ROWS):
                 with T.sblock("dot_vnni"):
@@ -160,7 +168,10 @@ def batched_kernel(
                     # a compact array for the sums: `out`'s rows are a power of two apart
                     # for most widths (L1 set conflicts; 1 KiB: from TVM's workspace pool)
                     acc = T.sblock_alloc_buffer((vnni_columns.ROWS, 1, VNNI_COLS), "float32")
-                    vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, acc, 0, 0)
+                    if table is None:
+                        vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, acc, 0, 0)
+                    else:  # (only the generic tiles take a table)
+                        vnni_tile(w, nb * VNNI_COLS, r0, rows, xq, steps, xs, acc, 0, 0, table)
                     for r in range(rows):
                         out[r0 + r, 0, T.Ramp(nb * VNNI_COLS, 1, VNNI_COLS)] = acc[
                             r, 0, T.Ramp(0, 1, VNNI_COLS)
@@ -201,9 +212,9 @@ def batched_kernel(
                     xs[g * halves + h, B + r] = T.float32(0)
         if vnni:
             xq_groups = T.decl_buffer((padded, groups, LANES), "int8", data=xq.data)
-            vnni_tiles(w, xq_groups, steps, xs, out)
+            vnni_tiles(w, xq_groups, steps, xs, out, table)
         elif use_columns:
-            column_tiles(w, xq, xm, xr, xs, out)
+            column_tiles(w, xq, xm, xr, xs, out, table)
         else:
             row_tiles(w, xq, xm, xr, xs, out, table)
 
@@ -222,8 +233,7 @@ def batched_kernel(
 
 def _with_table(qtype: str, n_out: int, k: int, rb: int, B, body):
     """The batched kernel of a format with a constant table (the lattice i-quants): the
-    parameters of the fused `quant_matmul` it replaces, (x, w, table, out); row tiles only
-    (`int8_codes.row_kernels_only`)."""
+    parameters of the fused `quant_matmul` it replaces, (x, w, table, out)."""
     size = len(get_format(qtype).table())
 
     @T.prim_func(s_tir=True, private=True)

@@ -109,11 +109,10 @@ def group(w: tirx.Buffer, qtype: str, n, g, table=None) -> Group:
     return codes_of(qtype).group(Row(w, n, base, table), g % per_block if per_block > 1 else 0)
 
 
-def row_kernels_only(qtype: str) -> bool:
-    """Whether only the row kernels take `qtype`: `decode`'s one-row kernel (`int8_gemv`)
-    and `batch_decode`'s row tiles (`int8_batched`). A format with a constant table (the
-    lattice grids) reaches them as an extra parameter, which only they declare (and
-    prefill's tiles on both levels, `int8_prefill` and `int8_prefill_columns`; and
-    `int8_grid_row`'s one-row kernels); the MoE kernels keep float activations for it, and
-    `batch_decode` takes the AVX2 row tiles on CPUs with AVX-512 VNNI too."""
+def has_table(qtype: str) -> bool:
+    """Whether `qtype` has a constant table (the lattice grids), an extra kernel parameter
+    that only some kernels declare: `decode`'s AVX2 one-row kernel (`int8_gemv`, and
+    `int8_grid_row`'s), `batch_decode`'s tiles on both levels (`int8_batched`) and prefill's
+    (`int8_prefill`, `int8_prefill_columns`). Not the VNNI one-row kernels of the other
+    formats (`int8_vnni_row`) nor the MoE kernels, which keep float activations for it."""
     return get_format(qtype).table is not None

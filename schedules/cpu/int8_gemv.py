@@ -44,7 +44,7 @@ from tallow.compiler.quant.registry import get_format
 
 from ..tir_common import STREAM, add, prefetch, reduce_lanes
 from . import int8_grid_row, int8_kquant_row, int8_table_row, int8_vnni_row
-from .int8_codes import LANES, Row, codes_of, group, row_kernels_only
+from .int8_codes import LANES, Row, codes_of, group, has_table
 from .int8_ops import (
     AHEAD,
     MULT_LANES,
@@ -99,7 +99,7 @@ def gemv_kernel(
         return batched_kernel(qtype, n_out, k, batch, column_tiles, vnni)
     if int8_grid_row.applies(qtype, k):
         return int8_grid_row.row_kernel(qtype, n_out, k, vnni)
-    if vnni and int8_vnni_row.applies(qtype, k) and not row_kernels_only(qtype):
+    if vnni and int8_vnni_row.applies(qtype, k) and not has_table(qtype):
         return int8_vnni_row.row_kernel(qtype, n_out, k)
     if int8_table_row.applies(qtype) and int8_vnni_row.applies(qtype, k):
         return int8_vnni_row.row_kernel(qtype, n_out, k, vnni=False)

@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 from tallow.compiler.quant.registry import get_format
 
 from . import int8_vnni
-from .int8_codes import LANES, row_kernels_only
+from .int8_codes import LANES, has_table
 from .int8_ops import MULT_LANES, offset_halves, quantize_macro
 
 COLS = int8_vnni.COLS  # output columns per tile and per parallel task
@@ -58,7 +58,7 @@ def supports(qtype: str, n_out: int, k_dim: int, target) -> bool:
     return (
         qtype != "none"
         and get_format(qtype).int8 is not None
-        and not row_kernels_only(qtype)
+        and not has_table(qtype)
         and k_dim % LANES == 0
         and n_out % COLS == 0
         and int8_vnni.supported(target)

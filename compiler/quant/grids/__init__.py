@@ -8,9 +8,17 @@ for numpy and TIR in `decoders` (run by `numpy_codec` and `tir_decode`), the gri
 the fused kernels as a constant uint8 parameter (`QuantFormat.table`; `tir_decode` says
 why that way).
 
-What runs: on the CPU, the int8-activation kernels of `decode` and `batch_decode` (the AVX2
-row kernels, `int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights;
-iq3_s's `decode` takes `schedules.cpu.int8_grid_row`'s, on both levels: `GridCodes`),
+What runs: on the CPU, the int8-activation kernels of `decode` (the AVX2 row kernels,
+`int8_groups`: every type but iq1_m, whose grid shift changes every 8 weights; iq3_s's takes
+`schedules.cpu.int8_grid_row`'s, on both levels: `GridCodes`), `batch_decode`'s column tiles
+(`column_tiles`: AVX2's, or AVX-512 VNNI's where the CPU has it; they were the row kernels'
+until 2026-12-07: a 3072 -> 8192 projection, 2 threads, Intel Xeon, weights from memory,
+row tiles -> AVX2 column tiles (both built for x86-64-v3) -> VNNI tiles at 1 / 4 / 16
+sequences, ms: iq3_s 4.7 / 6.2 /
+18.2 -> 4.2 / 4.9 / 7.1 -> 5.6 / 5.9 / 7.4, iq3_xxs 6.3 / 7.9 / 18.8 -> 5.7 / 6.8 / 10.6 ->
+4.5 / 4.7 / 6.1, iq2_xs 6.5 / 7.7 / 19.9 -> 4.9 / 6.1 / 10.3 -> 5.9 / 6.5 / 8.3, iq2_s 4.1 /
+5.7 / 17.5 -> 2.7 / 4.0 / 8.3 -> 4.1 / 4.7 / 6.5, iq1_s 3.6 / 4.9 / 14.1 -> 2.2 / 2.9 / 5.5 ->
+4.3 / 4.6 / 6.2; the AVX2 tiles built for an AVX-512 target ran slower than the VNNI ones),
 prefill's int8 tiles on both levels (`int8_prefill`, `int8_prefill_columns`: the grid passed
 along), and the float fused dequantize-matmul elsewhere (the embedding); not the MoE
 grouped kernels nor the GPU schedules, which refuse these types when compiling.
@@ -64,7 +72,11 @@ def _grid_format(
         table=partial(grid_bytes, name),
         no_quantizer=no_quantizer,
         int8=Int8Codes(
-            group=Lazy(_INT8, name), signed=True, split_halves=halves, grid_codes=grid_codes
+            group=Lazy(_INT8, name),
+            signed=True,
+            split_halves=halves,
+            grid_codes=grid_codes,
+            column_tiles=True,
         )
         if int8
         else None,

@@ -1,5 +1,6 @@
 """The lattice i-quants as 32-weight int8-kernel groups (`schedules.cpu.int8_codes.Group`),
-for the AVX2 row kernels of `decode` and `batch_decode` (`int8_codes.row_kernels_only`) and
+for the AVX2 row kernels of `decode`, the column tiles of `batch_decode` and prefill on
+both levels (`int8_codes.has_table`), and
 prefill's VNNI tiles; iq3_s's vector decode for `schedules.cpu.int8_grid_row` at the end.
 
 A group's codes are its grid values with their signs, as int8 (`signed`, as the other
