@@ -115,7 +115,8 @@ def test_roundtrip_error_comparable_to_q4_0_and_q4k(dist):
     assert err["iq4_xs"] < 1.10 * err["q4k"] and err["iq4_xs"] < err["q4_0"], err
 
 
-def test_iq4_xs_falls_back_to_iq4_nl():
+@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
+def test_iq4_xs_falls_back_to_iq4_nl(qtype):
     """Rows not a multiple of 256 take iq4_nl, as llama.cpp's quantize does; rows not a
     multiple of 32 stay float."""
     shapes = {
@@ -123,9 +124,9 @@ def test_iq4_xs_falls_back_to_iq4_nl():
         "blk.0.attn_k.weight": (64, 96),
         "blk.0.ffn_down.weight": (64, 40),
     }
-    types = find_mix("iq4_xs").types(shapes)
+    types = find_mix(qtype).types(shapes)
     assert types == {
-        "blk.0.attn_q.weight": "iq4_xs",
+        "blk.0.attn_q.weight": qtype,
         "blk.0.attn_k.weight": "iq4_nl",
         "blk.0.ffn_down.weight": "none",
     }
@@ -334,12 +335,13 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_quant_iq4_xs_on_a_float_model(tiny_model_dir, tmp_path):
-    """`--quant iq4_xs` on safetensors (qwen2_wide: rows of 256 and 512 weights): every
-    matrix, the embedding and the head included, in iq4_xs, and the logits are transformers'
-    on the weights as `gguf` decodes tallow's quantizer's blocks (float activations:
-    x86-64-v2), to float32 rounding. (Rows that hold no whole super-block take iq4_nl:
-    `test_iq4_xs_falls_back_to_iq4_nl`.)"""
+@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
+def test_quant_iquant_on_a_float_model(tiny_model_dir, tmp_path, qtype):
+    """`--quant iq4_xs` / `iq3_s` on safetensors (qwen2_wide: rows of 256 and 512 weights):
+    every matrix, the embedding and the head included, in that format, and the logits are
+    transformers' on the weights as `gguf` decodes tallow's quantizer's blocks (float
+    activations: x86-64-v2), to float32 rounding. (Rows that hold no whole super-block take
+    iq4_nl: `test_iq4_xs_falls_back_to_iq4_nl`.)"""
     import torch
     import yaml
     from safetensors.numpy import load_file, save_file
@@ -352,15 +354,15 @@ def test_quant_iq4_xs_on_a_float_model(tiny_model_dir, tmp_path):
     src = tiny_model_dir("qwen2_wide")
     art = compile_model(
         CompileOptions(
-            model=str(src), quant="iq4_xs", output=tmp_path / "a", quiet=True, cpu=["x86-64-v2"]
+            model=str(src), quant=qtype, output=tmp_path / "a", quiet=True, cpu=["x86-64-v2"]
         )
     )
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())
-    assert manifest["quantization"] == "iq4_xs"
+    assert manifest["quantization"] == qtype
     stored = {p["name"]: p["quant"] for p in manifest["params"]}
-    assert stored["lm_head.weight"] == stored["model.embed_tokens.weight"] == "iq4_xs"
-    assert {stored[n] for n in stored if n.endswith("proj.weight")} == {"iq4_xs"}
-    assert set(stored.values()) == {"iq4_xs", "none"}
+    assert stored["lm_head.weight"] == stored["model.embed_tokens.weight"] == qtype
+    assert {stored[n] for n in stored if n.endswith("proj.weight")} == {qtype}
+    assert set(stored.values()) == {qtype, "none"}
 
     twin = tmp_path / "twin"
     twin.mkdir()
@@ -369,9 +371,10 @@ def test_quant_iq4_xs_on_a_float_model(tiny_model_dir, tmp_path):
             (twin / f.name).write_bytes(f.read_bytes())
     weights = load_file(src / "model.safetensors")
     for name, w in weights.items():
-        if w.ndim == 2:  # every matrix: iq4_xs (asserted above through the manifest)
-            blocks = quantize(w.astype(np.float32), "iq4_xs").reshape(-1, 136)
-            weights[name] = _decoded_by_gguf("iq4_xs", blocks).reshape(w.shape)
+        if w.ndim == 2:  # every matrix in `qtype` (asserted above through the manifest)
+            blocks = quantize(w.astype(np.float32), qtype)
+            blocks = blocks.reshape(-1, QUANT_FORMATS[qtype].type_size)
+            weights[name] = _decoded_by_gguf(qtype, blocks).reshape(w.shape)
     save_file(weights, str(twin / "model.safetensors"))
     hf = load_hf(twin)
     runner = TVMModelRunner(art, kv=KVCacheConfig(4, 512, 64))

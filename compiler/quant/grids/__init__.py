@@ -29,11 +29,13 @@ Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EP
 An IQ3_M file's decode went from 0.43x llama.cpp's to 1.17x (docs/benchmarks.md); its
 `batch_decode` step for 4 sequences from 31-32 ms to 16.3-16.6 ms (2 threads, shared).
 
-No quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one
+Written: iq3_s (`quantize_iq3_s`: `--quant iq3_s`, every weight, as `iq4_xs`; a row length
+that is not a multiple of 256 takes iq4_nl, llama.cpp's fallback for its i-quants). The others
+have no quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one
 line): llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance
-matrix, which tallow does not compute; IQ3_S and IQ3_XXS need none, but their grid search
-is not written yet. A row length that is not a multiple of 256 needs no fallback: these
-are only read, and llama.cpp's files store such tensors in another type themselves.
+matrix, which tallow does not compute; IQ3_XXS needs none, but its grid search is not
+written yet. Read only, they need no fallback: llama.cpp's files store such tensors in
+another type themselves.
 """
 
 from __future__ import annotations
@@ -60,13 +62,19 @@ NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it 
 def _grid_format(
     name, ggml_type, type_size, no_quantizer, int8=True, halves=False, grid_codes=None
 ):
+    # written by tallow (`no_quantizer` None): a quantizer module of its own, and llama.cpp's
+    # fallback for a row length that is not a multiple of 256, iq4_nl
+    written = no_quantizer is None
     return QuantFormat(
         gpu=False,
         name=name,
         ggml_type=ggml_type,
         block_size=256,
         type_size=type_size,
-        quantize_blocks=None,
+        quantize_blocks=Lazy(f"{__name__}.quantize_{name}", f"quantize_{name}")
+        if written
+        else None,
+        fallback="iq4_nl" if written else None,
         dequantize_blocks=codec.decoder(name),
         tir_decode=Lazy(_TIR, name),
         table=partial(grid_bytes, name),
@@ -88,7 +96,7 @@ for _fmt in (
         "iq3_s",
         GGML.IQ3_S,
         110,
-        NOT_WRITTEN,
+        None,
         grid_codes=GridCodes(Lazy(_INT8, "iq3_s_indices"), 74, Lazy(_INT8, "iq3_s_group_scales")),
     ),
     _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
