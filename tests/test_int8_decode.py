@@ -347,9 +347,9 @@ def test_batched_at_extreme_codes(qtype):
     w[12:, 5::32] = 0.0
     blocks = quantize(w, qtype)
     deq = gguf.quants.dequantize(blocks, QUANT_FORMATS[qtype].ggml_type).reshape(n, k)
-    kernels = {"avx2": _build(int8_gemv.gemv_kernel(qtype, n, k, None))}
+    kernels = {"avx2": _build(int8_gemv.gemv_kernel(qtype, n, k, None), qtype)}
     if HAS_VNNI:
-        kernels["vnni"] = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True))
+        kernels["vnni"] = _build(int8_gemv.gemv_kernel(qtype, n, k, None, vnni=True), qtype)
     for name, kernel in kernels.items():
         for batch in (5, 16):
             x = np.stack([patterns[i % 4] * (1 - 2 * (i // 4 % 2)) for i in range(batch)])
