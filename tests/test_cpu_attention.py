@@ -1,5 +1,4 @@
-"""Our CPU attention kernels (tallow.schedules.cpu.attention_decode, attention_prefill)
-against numpy attention.
+"""Our CPU attention kernels (tallow.schedules.cpu.attention) against numpy attention.
 
 Each kernel runs on a paged or ragged batch of several sequences of different lengths
 (pages shuffled in the pool, GQA with 3 query heads per KV head), and its output and
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tallow.schedules.cpu import attention_prefill as ap
+from tallow.schedules.cpu import attention as ca
 from tallow.schedules.cpu.attention_decode import decode_kernel, vector_lanes
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
@@ -172,13 +171,19 @@ def test_decode_is_batch_invariant(target):
 PREFILL_HEADS = [(3, 9, 64), (2, 8, 128), (1, 6, 64), (1, 5, 64), (4, 4, 64)]
 
 
+def test_heads_per_block():
+    assert [ca.heads_per_block(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [
+        1, 2, 3, 4, 1, 3, 1, 4, 4,
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
 def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
-    """Every row of every head, against numpy: blocks of 8 or 16 query rows (16: AVX-512;
-    elsewhere LLVM splits the vectors), in zigzag order, some spanning two or three
-    sequences (rows 0-4, 5 and 6-38 are three prompts)."""
+    """Every row of every head, against numpy: the heads of a KV head go through the kernel
+    together (`heads_per_block`), and the rows in zigzag order; 8-lane slices of head_dim,
+    or 16 (AVX-512; elsewhere LLVM splits them)."""
     rng = np.random.default_rng(1)
     q_lens, kv_lens = [5, 1, 33], [5, 4, 40]  # kv longer than q: queries are the last rows
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
@@ -186,7 +191,7 @@ def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
     v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
     q_ptr, kv_ptr = np.cumsum([0, *q_lens]), np.cumsum([0, *kv_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ap.prefill_ragged(h_kv, h_q, d, "float32", lanes=lanes), target)
+    kernel = _build(ca._prefill_ragged(h_kv, h_q, d, "float32", lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(k, "float32"), _t(v, "float32"), _t(kv_ptr),
            _t(np.zeros(len(q))), _t(np.zeros(3)), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
@@ -209,7 +214,7 @@ def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
     q_ptr = np.cumsum([0, *q_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ap.prefill_paged(h_kv, h_q, d, "float32", PAGE, lanes=lanes), target)
+    kernel = _build(ca._prefill_paged(h_kv, h_q, d, "float32", PAGE, lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
            _t(np.zeros(3)), _t(np.zeros(len(q))), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
@@ -219,38 +224,6 @@ def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
             want_out, want_lse = _attend(q[q_ptr[b] + i], *rows[b], max(0, visible))
             np.testing.assert_allclose(out.numpy()[q_ptr[b] + i], want_out, atol=2e-6)
             np.testing.assert_allclose(lse.numpy()[q_ptr[b] + i], want_lse, rtol=1e-6, atol=1e-5)
-
-
-@pytest.mark.parametrize("window", [None, 7])
-def test_prefill_rows_do_not_depend_on_their_block(target, window):
-    """`--deterministic` prefills a prompt in chunks: a query row's output and lse are the
-    same bits whether its chunk is the whole prompt or its last rows (other block-mates,
-    another place in the block), with the earlier rows' keys in the cache. With a sliding
-    window (a layer passes its scale negated) also against numpy: a row at position p sees
-    keys p - 6 .. p."""
-    h_kv, h_q, d, n = 2, 6, 64, 45
-    rng = np.random.default_rng(3)
-    pool, indptr, values, last, rows = _paged(rng, [n], h_kv, d)
-    q = rng.standard_normal((n, h_q, d)).astype("float32")
-    kernel = _build(ap.prefill_paged(h_kv, h_q, d, "float32", PAGE, window, lanes=16), target)
-    sm = -(d**-0.5) if window else d**-0.5
-    results = {}
-    for m in (n, 29, 3):  # the last m rows as the chunk
-        out, lse = _t(np.zeros((m, h_q, d)), "float32"), _t(np.zeros((m, h_q)), "float32")
-        kernel(_t(q[n - m :], "float32"), _t([0, m]), _t(pool, "float32"), _t(indptr),
-               _t(values), _t(last), _t([0]), _t(np.arange(n - m, n)), out, lse, 1, 0, 1.0,
-               1e4, sm)  # fmt: skip
-        results[m] = out.numpy().view(np.uint32), lse.numpy().view(np.uint32)
-    for m in (29, 3):
-        np.testing.assert_array_equal(results[m][0], results[n][0][n - m :])
-        np.testing.assert_array_equal(results[m][1], results[n][1][n - m :])
-    if window:
-        k, v = rows[0]
-        got = results[n][0].view(np.float32)
-        for p in range(n):
-            lo = max(0, p - window + 1)
-            want, _ = _attend(q[p], k[lo : p + 1], v[lo : p + 1], p + 1 - lo)
-            np.testing.assert_allclose(got[p], want, atol=2e-6)
 
 
 def test_vector_lanes_follow_the_target():

@@ -114,7 +114,7 @@ def raise_max_macro(d: int):
     """A macro for head `j`'s online softmax, state `st[4j..4j+3]` (running max, running sum,
     the tile's max, the rescale) and output accumulator `o_acc[j*d..]`: when the tile's max
     beats the running one, the sum and the accumulator scale by 2^(old - new) and the max
-    moves up."""
+    moves up. Shared by decode and prefill (`cpu.attention`)."""
 
     @T.macro
     def raise_max(st, o_acc, j):
