@@ -1,4 +1,5 @@
-"""Our CPU attention kernels (tallow.schedules.cpu.attention) against numpy attention.
+"""Our CPU attention kernels (tallow.schedules.cpu.attention_decode, attention_prefill and
+attention_rows) against numpy attention.
 
 Each kernel runs on a paged or ragged batch of several sequences of different lengths
 (pages shuffled in the pool, GQA with 3 query heads per KV head), and its output and
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 import tvm
 
-from tallow.schedules.cpu import attention as ca
+from tallow.schedules.cpu import attention_prefill as ap
 from tallow.schedules.cpu.attention_decode import decode_kernel, vector_lanes
+from tallow.schedules.cpu.attention_rows import heads_per_block
 
 H_KV, H_Q, D, PAGE = 3, 9, 64, 16
 SM = D**-0.5
@@ -172,7 +174,7 @@ PREFILL_HEADS = [(3, 9, 64), (2, 8, 128), (1, 6, 64), (1, 5, 64), (4, 4, 64)]
 
 
 def test_heads_per_block():
-    assert [ca.heads_per_block(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [
+    assert [heads_per_block(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [
         1, 2, 3, 4, 1, 3, 1, 4, 4,
     ]  # fmt: skip
 
@@ -181,21 +183,24 @@ def test_heads_per_block():
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize(("h_kv", "h_q", "d"), PREFILL_HEADS)
 def test_prefill_ragged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
-    """Every row of every head, against numpy: the heads of a KV head go through the kernel
-    together (`heads_per_block`), and the rows in zigzag order; 8-lane slices of head_dim,
-    or 16 (AVX-512; elsewhere LLVM splits them)."""
+    """Every row of every head, against numpy. Sequences of `few_rows` rows or more (16
+    lanes: 33; 8 lanes: 5, 33, 8) go through blocks of 8 or 16 query rows (16: AVX-512;
+    elsewhere LLVM splits the vectors), one block spanning three sequences (rows 0-4, 5 and
+    6-38); the others through the row kernel, with the heads of a KV head together
+    (`heads_per_block`)."""
+    assert (ap.few_rows(8), ap.few_rows(16)) == (5, 9)  # the lengths below straddle them
     rng = np.random.default_rng(1)
-    q_lens, kv_lens = [5, 1, 33], [5, 4, 40]  # kv longer than q: queries are the last rows
+    q_lens, kv_lens = [5, 1, 33, 8], [5, 4, 40, 9]  # kv longer than q: queries are the last
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
     k = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
     v = rng.standard_normal((sum(kv_lens), h_kv, d)).astype("float32")
     q_ptr, kv_ptr = np.cumsum([0, *q_lens]), np.cumsum([0, *kv_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_ragged(h_kv, h_q, d, "float32", lanes=lanes), target)
+    kernel = _build(ap.prefill_ragged(h_kv, h_q, d, "float32", lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(k, "float32"), _t(v, "float32"), _t(kv_ptr),
-           _t(np.zeros(len(q))), _t(np.zeros(3)), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
-    for b in range(3):
+           _t(np.zeros(len(q))), _t(np.zeros(4)), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
+    for b in range(4):
         kb, vb = k[kv_ptr[b] : kv_ptr[b + 1]], v[kv_ptr[b] : kv_ptr[b + 1]]
         for i in range(q_lens[b]):
             visible = kv_lens[b] - q_lens[b] + i + 1 if causal else kv_lens[b]
@@ -214,7 +219,7 @@ def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
     q = rng.standard_normal((sum(q_lens), h_q, d)).astype("float32")
     q_ptr = np.cumsum([0, *q_lens])
     out, lse = _t(np.zeros(q.shape), "float32"), _t(np.zeros(q.shape[:2]), "float32")
-    kernel = _build(ca._prefill_paged(h_kv, h_q, d, "float32", PAGE, lanes=lanes), target)
+    kernel = _build(ap.prefill_paged(h_kv, h_q, d, "float32", PAGE, lanes=lanes), target)
     sm = d**-0.5
     kernel(_t(q, "float32"), _t(q_ptr), _t(pool, "float32"), _t(indptr), _t(values), _t(last),
            _t(np.zeros(3)), _t(np.zeros(len(q))), out, lse, causal, 0, 1.0, 1e4, sm)  # fmt: skip
@@ -224,6 +229,62 @@ def test_prefill_paged_matches_numpy(target, causal, h_kv, h_q, d, lanes):
             want_out, want_lse = _attend(q[q_ptr[b] + i], *rows[b], max(0, visible))
             np.testing.assert_allclose(out.numpy()[q_ptr[b] + i], want_out, atol=2e-6)
             np.testing.assert_allclose(lse.numpy()[q_ptr[b] + i], want_lse, rtol=1e-6, atol=1e-5)
+
+
+def _prefill_last_rows(kernel, q, pool, indptr, values, last, chunks, sm):
+    """Each of `chunks` ((sequence, m): its last m rows as new rows) through one call of the
+    paged kernel; the output and lse bits of each."""
+    q_rows = np.concatenate([q[b][len(q[b]) - m :] for b, m in chunks])
+    q_ptr = np.cumsum([0] + [m for _, m in chunks])
+    q_pos = np.concatenate([np.arange(len(q[b]) - m, len(q[b])) for b, m in chunks])
+    pick = [b for b, _ in chunks]
+    page_ptr = np.cumsum([0] + [indptr[b + 1] - indptr[b] for b in pick])
+    page_ids = np.concatenate([values[indptr[b] : indptr[b + 1]] for b in pick])
+    h_q, d = q_rows.shape[1:]
+    out = _t(np.zeros(q_rows.shape), "float32")
+    lse = _t(np.zeros(q_rows.shape[:2]), "float32")
+    kernel(_t(q_rows, "float32"), _t(q_ptr), _t(pool, "float32"), _t(page_ptr), _t(page_ids),
+           _t([last[b] for b in pick]), _t(np.zeros(len(pick))), _t(q_pos), out, lse, 1, 0,
+           1.0, 1e4, sm)  # fmt: skip
+    bits = out.numpy().view(np.uint32), lse.numpy().view(np.uint32)
+    return [(bits[0][a:z], bits[1][a:z]) for a, z in zip(q_ptr[:-1], q_ptr[1:], strict=True)]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_rows_do_not_depend_on_their_block(target, window):
+    """`--deterministic` prefills a prompt in chunks on a fixed grid: a query row's output and
+    lse are the same bits whether its chunk is the whole prompt or its last rows (other
+    block-mates, another place in the block), with the earlier rows' keys in the cache, and
+    whatever other sequences share the call (a short one, which takes the row kernel, or a
+    long one). With a sliding window (a layer passes its scale negated) also against numpy:
+    a row at position p sees keys p - 6 .. p."""
+    h_kv, h_q, d, lengths = 2, 6, 64, [45, 13]
+    rng = np.random.default_rng(3)
+    pool, indptr, values, last, rows = _paged(rng, lengths, h_kv, d)
+    q = [rng.standard_normal((n, h_q, d)).astype("float32") for n in lengths]
+    kernel = _build(ap.prefill_paged(h_kv, h_q, d, "float32", PAGE, window, lanes=16), target)
+    sm = -(d**-0.5) if window else d**-0.5
+    args = (kernel, q, pool, indptr, values, last)
+    (whole,) = _prefill_last_rows(*args, [(0, 45)], sm)
+    for m in (29, 10, ap.few_rows(16)):  # chunks of the blocked path
+        (part,) = _prefill_last_rows(*args, [(0, m)], sm)
+        for got, want in zip(part, whole, strict=True):
+            np.testing.assert_array_equal(got, want[45 - m :])
+    # a short chunk (the row kernel) and a long one, alone and side by side, in either order
+    few = ap.few_rows(16) - 1
+    (short,) = _prefill_last_rows(*args, [(1, few)], sm)
+    (long_,) = _prefill_last_rows(*args, [(0, 29)], sm)
+    for chunks in ([(1, few), (0, 29)], [(0, 29), (1, few)]):
+        got = dict(zip([b for b, _ in chunks], _prefill_last_rows(*args, chunks, sm), strict=True))
+        for a, b in zip(got[1] + got[0], short + long_, strict=True):
+            np.testing.assert_array_equal(a, b)
+    if window:
+        k, v = rows[0]
+        out = whole[0].view(np.float32)
+        for p in range(45):
+            lo = max(0, p - window + 1)
+            want, _ = _attend(q[0][p], k[lo : p + 1], v[lo : p + 1], p + 1 - lo)
+            np.testing.assert_allclose(out[p], want, atol=2e-6)
 
 
 def test_vector_lanes_follow_the_target():
