@@ -115,7 +115,7 @@ def test_roundtrip_error_comparable_to_q4_0_and_q4k(dist):
     assert err["iq4_xs"] < 1.10 * err["q4k"] and err["iq4_xs"] < err["q4_0"], err
 
 
-@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
+@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s", "iq3_xxs"])
 def test_iq4_xs_falls_back_to_iq4_nl(qtype):
     """Rows not a multiple of 256 take iq4_nl, as llama.cpp's quantize does; rows not a
     multiple of 32 stay float."""
@@ -335,10 +335,10 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s"])
+@pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s", "iq3_xxs"])
 def test_quant_iquant_on_a_float_model(tiny_model_dir, tmp_path, qtype):
-    """`--quant iq4_xs` / `iq3_s` on safetensors (qwen2_wide: rows of 256 and 512 weights):
-    every matrix, the embedding and the head included, in that format, and the logits are
+    """`--quant iq4_xs` / `iq3_s` / `iq3_xxs` on safetensors (qwen2_wide: rows of 256 and 512
+    weights): every matrix, the embedding and the head included, in that format, and the logits are
     transformers' on the weights as `gguf` decodes tallow's quantizer's blocks (float
     activations: x86-64-v2), to float32 rounding. (Rows that hold no whole super-block take
     iq4_nl: `test_iq4_xs_falls_back_to_iq4_nl`.)"""

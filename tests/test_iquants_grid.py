@@ -105,15 +105,15 @@ def test_grids_come_from_gguf():
         assert grid.shape == (size,) and set(np.unique(grid)) == values, qtype
 
 
-@pytest.mark.parametrize("qtype", [q for q in GRIDS if q != "iq3_s"])
+@pytest.mark.parametrize("qtype", [q for q in GRIDS if not q.startswith("iq3")])
 def test_no_quantizer_refused_in_one_line(qtype):
-    """tallow reads these but does not write them: `quantize` and `--quant` (alone or
-    FORMAT:all) refuse in one line; for the 1- and 2-bit ones naming the importance
-    matrix that llama.cpp's recipes need."""
+    """tallow reads the 1- and 2-bit lattice types but does not write them: `quantize` and
+    `--quant` (alone or FORMAT:all) refuse in one line, naming the importance matrix that
+    llama.cpp's recipes need."""
     from tallow.compiler.quant_plan import check_quant_option, quant_choices
     from tallow.runtime.errors import TargetError
 
-    why = "importance matrix" if qtype.startswith(("iq1", "iq2")) else "no grid-search quantizer"
+    why = "importance matrix"
     with pytest.raises(ValueError, match=why):
         quantize(np.zeros((1, 256), np.float32), qtype)
     for name in (qtype, f"{qtype}:all", qtype.upper()):

@@ -101,16 +101,18 @@ def test_a_type_the_gguf_reader_does_not_know_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value) and "requantize" in str(err.value)
 
 
-def test_iq3_s_quantizer_at_least_as_close_as_llama_cpps():
-    """tallow's own IQ3_S quantizer against llama.cpp's (`ggml_quantize_chunk`, no importance
-    matrix, as `llama-quantize` writes IQ3_S without `--imatrix`) on the same rows: Gaussian at
-    scale 1 and at 0.02, and heavy-tailed (cubed). Each third's relative RMS error, both
-    decoded by `gguf`: tallow's at most llama.cpp's (measured 15.4 / 15.4 / 24.5% against
-    16.8 / 16.7 / 32.3%)."""
-    x, ref = FIXTURE["iq3_s_x"], FIXTURE["iq3_s_encoded"]
-    ggml_type = QUANT_FORMATS["iq3_s"].ggml_type
+@pytest.mark.parametrize("qtype", ["iq3_s", "iq3_xxs"])
+def test_lattice_quantizer_at_least_as_close_as_llama_cpps(qtype):
+    """tallow's own IQ3_S and IQ3_XXS quantizers against llama.cpp's (`ggml_quantize_chunk`, no
+    importance matrix, as `llama-quantize` writes those types without `--imatrix`) on the same
+    rows: Gaussian at scale 1 and at 0.02, and heavy-tailed (cubed). Each third's relative RMS
+    error, both decoded by `gguf`: tallow's at most llama.cpp's (measured IQ3_S 15.4 / 15.4 /
+    24.5% against 16.8 / 16.7 / 32.3%, IQ3_XXS 20.9 / 20.8 / 28.6% against 21.4 / 21.3 /
+    40.4%)."""
+    x, ref = FIXTURE["iq3_s_x"], FIXTURE[f"{qtype}_encoded"]
+    ggml_type = QUANT_FORMATS[qtype].ggml_type
     theirs = gguf.quants.dequantize(ref, ggml_type).reshape(x.shape)
-    ours = gguf.quants.dequantize(quantize(x, "iq3_s"), ggml_type).reshape(x.shape)
+    ours = gguf.quants.dequantize(quantize(x, qtype), ggml_type).reshape(x.shape)
     third = len(x) // 3
     for part in (slice(0, third), slice(third, 2 * third), slice(2 * third, None)):
         power = np.mean(x[part].astype(np.float64) ** 2)

@@ -122,7 +122,7 @@ def test_names():
     uniform = find_mix("q4k:all")
     assert uniform.name == "q4k" and not uniform.rules and uniform.pure
     assert find_mix("Q4_K:ALL").name == "q4k"
-    for bad in ("q9", "q4k_x", "q4k_m:all", "iq3_xxs", ""):
+    for bad in ("q9", "q4k_x", "q4k_m:all", "iq2_xxs", ""):
         assert find_mix(bad) is None, bad
     # the i-quants have no recipe of llama.cpp's here: their names mean every weight in them
     for name in ("iq4_xs", "IQ4_XS", "iq4_nl:all"):

@@ -25,7 +25,7 @@ for dense decoders, and `tests/data/llamacpp_mixes.json` (written by llama.cpp i
 Left out: llama.cpp's branches for Falcon and the IQ/TQ/MXFP4 ftypes. tallow stores two of
 the i-quants (iq4_nl, iq4_xs), but without a llama.cpp run to check their recipes against,
 `--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`); so are
-iq3_s (the lattice i-quant tallow writes), tq1_0, tq2_0, mxfp4 and nvfp4 (llama.cpp's
+iq3_s and iq3_xxs (the lattice i-quants tallow writes), tq1_0, tq2_0, mxfp4 and nvfp4 (llama.cpp's
 quantize does not write NVFP4 files). q1_0 is llama.cpp's Q1_0 recipe (checked): its head
 q6k; where a row is not a multiple of 128 llama.cpp writes no file at all, and tallow keeps
 that tensor float. Formats tallow reads

@@ -29,13 +29,13 @@ Measured (2048 x 2048 decode matmul, one row, 1 thread, weights in cache, AMD EP
 An IQ3_M file's decode went from 0.43x llama.cpp's to 1.17x (docs/benchmarks.md); its
 `batch_decode` step for 4 sequences from 31-32 ms to 16.3-16.6 ms (2 threads, shared).
 
-Written: iq3_s (`quantize_iq3_s`: `--quant iq3_s`, every weight, as `iq4_xs`; a row length
-that is not a multiple of 256 takes iq4_nl, llama.cpp's fallback for its i-quants). The others
-have no quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one
-line): llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance
-matrix, which tallow does not compute; IQ3_XXS needs none, but its grid search is not
-written yet. Read only, they need no fallback: llama.cpp's files store such tensors in
-another type themselves.
+Written: iq3_s and iq3_xxs (`quantize_iq3_s`, `quantize_iq3_xxs`, one grid search in
+`lattice_search`: `--quant iq3_s` / `iq3_xxs`, every weight, as `iq4_xs`; a row length that is
+not a multiple of 256 takes iq4_nl, llama.cpp's fallback for its i-quants). The others have no
+quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one line):
+llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance matrix,
+which tallow does not compute. Read only, they need no fallback: llama.cpp's files store such
+tensors in another type themselves.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ NEEDS_IMATRIX = (
     "llama.cpp's recipe for it needs an importance matrix (llama-quantize --imatrix), which "
     "tallow does not compute"
 )
-NOT_WRITTEN = "tallow reads and runs it but has no grid-search quantizer for it (yet)"
 
 
 def _grid_format(
@@ -99,7 +98,7 @@ for _fmt in (
         None,
         grid_codes=GridCodes(Lazy(_INT8, "iq3_s_indices"), 74, Lazy(_INT8, "iq3_s_group_scales")),
     ),
-    _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, NOT_WRITTEN),
+    _grid_format("iq3_xxs", GGML.IQ3_XXS, 98, None),
     _grid_format("iq2_s", GGML.IQ2_S, 82, NEEDS_IMATRIX, halves=True),
     _grid_format("iq2_xs", GGML.IQ2_XS, 74, NEEDS_IMATRIX, halves=True),
     _grid_format("iq2_xxs", GGML.IQ2_XXS, 66, NEEDS_IMATRIX),
