@@ -337,11 +337,11 @@ def test_iquant_gguf_matches_transformers(activations, tiny_model_dir, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["iq4_xs", "iq3_s", "iq3_xxs"])
 def test_quant_iquant_on_a_float_model(tiny_model_dir, tmp_path, qtype):
-    """`--quant iq4_xs` / `iq3_s` / `iq3_xxs` on safetensors (qwen2_wide: rows of 256 and 512
-    weights): every matrix, the embedding and the head included, in that format, and the logits are
-    transformers' on the weights as `gguf` decodes tallow's quantizer's blocks (float
-    activations: x86-64-v2), to float32 rounding. (Rows that hold no whole super-block take
-    iq4_nl: `test_iq4_xs_falls_back_to_iq4_nl`.)"""
+    """`--quant iq4_xs:all` / `iq3_s:all` / `iq3_xxs:all` on safetensors (qwen2_wide: rows of
+    256 and 512 weights): every matrix, the embedding and the head included, in that format,
+    and the logits are transformers' on the weights as `gguf` decodes tallow's quantizer's
+    blocks (float activations: x86-64-v2), to float32 rounding. (Rows that hold no whole
+    super-block take iq4_nl: `test_iq4_xs_falls_back_to_iq4_nl`.)"""
     import torch
     import yaml
     from safetensors.numpy import load_file, save_file
@@ -354,7 +354,11 @@ def test_quant_iquant_on_a_float_model(tiny_model_dir, tmp_path, qtype):
     src = tiny_model_dir("qwen2_wide")
     art = compile_model(
         CompileOptions(
-            model=str(src), quant=qtype, output=tmp_path / "a", quiet=True, cpu=["x86-64-v2"]
+            model=str(src),
+            quant=f"{qtype}:all",
+            output=tmp_path / "a",
+            quiet=True,
+            cpu=["x86-64-v2"],
         )
     )
     manifest = yaml.safe_load((art / "manifest.yaml").read_text())

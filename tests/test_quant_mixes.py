@@ -3,7 +3,8 @@
 The oracle is `tests/data/llamacpp_mixes.json`: the GGML type llama.cpp's own quantizer
 (llama-cpp-python's `llama_model_quantize`) chose for every tensor of small llama GGUFs —
 1 to 16 layers, with and without GQA, tied and separate heads, rows of 256, 160, 96 and 80
-weights — in 14 ftypes. `tests/fixtures/regen_llamacpp_mixes.py` regenerates it (not run
+weights — in 18 ftypes (the K-quant and legacy mixes, Q1_0, and the i-quants IQ3_S,
+IQ3_M, IQ4_NL and IQ4_XS). `tests/fixtures/regen_llamacpp_mixes.py` regenerates it (not run
 here: llama-cpp-python takes 10 minutes to build).
 """
 
@@ -34,7 +35,7 @@ def ggml_name(fmt: str) -> str:
 
 
 def test_fixture_covers_the_issue():
-    assert {"Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K"} <= set(FTYPES)
+    assert {"Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ3_M"} <= set(FTYPES)
     layers = {c["facts"]["n_layer"] for c in CASES.values()}
     assert {1, 4, 8, 12, 16} <= layers
     gqa = {c["facts"]["n_head"] // c["facts"]["n_head_kv"] for c in CASES.values()}
@@ -124,10 +125,14 @@ def test_names():
     assert find_mix("Q4_K:ALL").name == "q4k"
     for bad in ("q9", "q4k_x", "q4k_m:all", "iq2_xxs", ""):
         assert find_mix(bad) is None, bad
-    # the i-quants have no recipe of llama.cpp's here: their names mean every weight in them
-    for name in ("iq4_xs", "IQ4_XS", "iq4_nl:all"):
-        iq4 = find_mix(name)
-        assert iq4.pure and iq4.base == name.lower().removesuffix(":all"), name
+    # an i-quant's name is llama.cpp's recipe where it has one without an importance matrix,
+    # else every weight in it (as FORMAT:all)
+    for name in ("iq4_xs", "IQ4_XS", "iq3_m", "IQ3_S"):
+        assert find_mix(name) is MIXES[name.lower()] and not find_mix(name).pure, name
+    assert MIXES["iq3_m"].base == "iq3_s"
+    for name in ("iq3_xxs", "iq4_nl:all", "IQ3_S:all"):
+        mix = find_mix(name)
+        assert mix.pure and mix.base == name.lower().removesuffix(":all"), name
 
 
 def test_uniform_mix_is_one_format_with_fallbacks():

@@ -21,14 +21,19 @@ for dense decoders, and `tests/data/llamacpp_mixes.json` (written by llama.cpp i
   gives `attn_v` and `attn_k` q8_0 and, in the q2k, q3k_s/m and q4k_s/m mixes,
   `attn_output` q5k (no other attn_output rule then).
 
+* The i-quant recipes llama.cpp runs without an importance matrix (checked against its output
+  like the others): IQ4_NL and IQ4_XS (`attn_v` q5k where 4 or more query heads share a KV
+  head, `ffn_down` q5k in the first eighth of the layers), IQ3_S (`attn_v` q4k with 4 or more
+  query heads a KV head) and IQ3_M (IQ3_S blocks; `attn_v` and `attn_output` q4k, `ffn_down`
+  q4k in the first eighth). llama.cpp 0.3.36's `llama_model_quantize` refuses IQ3_XXS and
+  IQ3_XS without an importance matrix, as it does the IQ2 and IQ1 ftypes.
+
 `FORMAT:all` (e.g. `q4k:all`) puts every weight in one format: no head promotion, no rules.
-Left out: llama.cpp's branches for Falcon and the IQ/TQ/MXFP4 ftypes. tallow stores two of
-the i-quants (iq4_nl, iq4_xs), but without a llama.cpp run to check their recipes against,
-`--quant iq4_xs` is the uniform mix (every weight, the head too, as `iq4_xs:all`); so are
-iq3_s and iq3_xxs (the lattice i-quants tallow writes), tq1_0, tq2_0, mxfp4 and nvfp4 (llama.cpp's
-quantize does not write NVFP4 files). q1_0 is llama.cpp's Q1_0 recipe (checked): its head
-q6k; where a row is not a multiple of 128 llama.cpp writes no file at all, and tallow keeps
-that tensor float. Formats tallow reads
+Left out: llama.cpp's branches for Falcon and the IQ3_XXS/IQ3_XS/TQ/MXFP4 ftypes:
+`--quant iq3_xxs` is the uniform mix (every weight, the head too, as `iq3_xxs:all`); so are
+tq1_0, tq2_0, mxfp4 and nvfp4 (llama.cpp's quantize does not write NVFP4 files). q1_0 is
+llama.cpp's Q1_0 recipe (checked): its head q6k; where a row is not a multiple of 128
+llama.cpp writes no file at all, and tallow keeps that tensor float. Formats tallow reads
 but does not write (the other lattice i-quants, `QuantFormat.no_quantizer`) are no mix:
 `unwritable_reason` says why.
 
@@ -190,6 +195,10 @@ def _mixes() -> dict[str, Mix]:
     first_sixteenth = lambda layer, facts: layer < facts.n_layer // 16  # noqa: E731
     # _m mixes: attn_v and ffn_down at q6k in the "more bits" layers
     q6k_v_down = {k: _when(_MORE_BITS, "q6k") for k in ("attn_v", "ffn_down")}
+    gqa4 = lambda layer, facts: facts.n_gqa >= 4  # noqa: E731
+    # IQ4_NL / IQ4_XS: attn_v q5k with 4 or more query heads a KV head, ffn_down q5k in the
+    # first eighth of the layers
+    iq4_v_down = {"attn_v": _when(gqa4, "q5k"), "ffn_down": _when(first_eighth, "q5k")}
     mixes = [
         Mix(
             "q2k",
@@ -232,6 +241,19 @@ def _mixes() -> dict[str, Mix]:
         Mix("q5k_m", "Q5_K_M", "q5k", q6k_v_down),
         Mix("q6k", "Q6_K", "q6k"),
         *(Mix(f, f.upper(), f) for f in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q1_0")),
+        # the i-quant recipes llama.cpp runs without an importance matrix
+        *(Mix(f, f.upper(), f, iq4_v_down) for f in ("iq4_nl", "iq4_xs")),
+        Mix("iq3_s", "IQ3_S", "iq3_s", {"attn_v": _when(gqa4, "q4k")}),
+        Mix(
+            "iq3_m",
+            "IQ3_M",
+            "iq3_s",
+            {
+                "attn_v": _always("q4k"),
+                "attn_output": _always("q4k"),
+                "ffn_down": _when(first_eighth, "q4k"),
+            },
+        ),
     ]
     return {m.name: m for m in mixes}
 

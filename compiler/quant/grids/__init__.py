@@ -30,8 +30,9 @@ An IQ3_M file's decode went from 0.43x llama.cpp's to 1.17x (docs/benchmarks.md)
 `batch_decode` step for 4 sequences from 31-32 ms to 16.3-16.6 ms (2 threads, shared).
 
 Written: iq3_s and iq3_xxs (`quantize_iq3_s`, `quantize_iq3_xxs`, one grid search in
-`lattice_search`: `--quant iq3_s` / `iq3_xxs`, every weight, as `iq4_xs`; a row length that is
-not a multiple of 256 takes iq4_nl, llama.cpp's fallback for its i-quants). The others have no
+`lattice_search`: `--quant iq3_s` / `iq3_m` (llama.cpp's recipes, `quant.mixes`) and `iq3_xxs`
+(every weight); a row length that is not a multiple of 256 takes iq4_nl, llama.cpp's fallback
+for its i-quants). The others have no
 quantizer, so no `--quant` mix (`QuantFormat.no_quantizer`, `--quant` refuses in one line):
 llama.cpp's recipes for IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M need an importance matrix,
 which tallow does not compute. Read only, they need no fallback: llama.cpp's files store such

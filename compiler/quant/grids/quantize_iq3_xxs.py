@@ -5,8 +5,9 @@ IQ3_XXS (3.06 bits a weight) stores each 4 weights' magnitudes as one of 256 gri
 weight = d * (0.5 + s) / 2 * grid value * sign (`gguf`'s `IQ3_XXS`). Signs come 7 to 8
 weights: the 8th is whatever makes the count of negative weights even (llama.cpp's
 `ksigns_iq2xs`), so a group of 8 with an odd count must give one weight the wrong sign.
-llama.cpp writes it without an importance matrix (its recipes that need one: IQ2_XXS, IQ2_XS,
-IQ2_S, IQ1_S, IQ1_M).
+llama.cpp's block quantizer (`ggml_quantize_chunk`) writes it without an importance matrix;
+its IQ3_XXS recipe (`llama_model_quantize`, 0.3.36) asks for one, so `--quant iq3_xxs` is
+every weight in IQ3_XXS (`quant.mixes`).
 
 The grid search is `lattice_search` (shared with IQ3_S), in units of 4: magnitudes d * (1 +
 2s) * level with levels 1, 3, .., 13, 15.5. The sign: in a group of 8 with an odd count of
