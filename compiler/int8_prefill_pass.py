@@ -11,7 +11,9 @@ q8_0); the others keep the tiled float schedule, and so does every CPU without A
 
 This changes prefill's numerics as llama.cpp's do: activations rounded to int8 per 32 with
 a per-row step, the rule decode uses (`schedules.cpu.int8_ops`); the manifest records it
-(`target.details.prefill_activations`).
+(`target.details.prefill_activations`). On CPUs with AMX (Sapphire Rapids and newer) the
+kernels are `schedules.cpu.amx_prefill`'s: activations and decoded weights rounded to bf16,
+float sums, for calls of 32 rows or more (`target.details.prefill_bf16_amx_from_rows`).
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def int8_prefill_kernels(report: BuildReport, vnni: bool = True):
+def int8_prefill_kernels(report: BuildReport, vnni: bool = True, amx: bool = False):
     """The module pass; records what it replaced in `report`. `vnni`: the target has
-    AVX-512 VNNI, else AVX2 (the column tiles)."""
+    AVX-512 VNNI, else AVX2 (the column tiles); `amx`: it has AMX with bf16 products too
+    (`schedules.cpu.amx_prefill`: bf16 activations and weights, int8 under 32 rows)."""
     import tvm
 
+    from tallow.schedules.cpu.amx_prefill import MIN_ROWS
     from tallow.schedules.cpu.int8_prefill import prefill_kernel_for
 
     @tvm.transform.module_pass(opt_level=0, name="tallow.Int8PrefillKernels")
     def _pass(mod, _ctx):
-        replaced = substitute_kernels(mod, lambda func: prefill_kernel_for(func, vnni))
+        replaced = substitute_kernels(mod, lambda func: prefill_kernel_for(func, vnni, amx))
         report.prefill_activations = ACTIVATIONS if replaced else "float32"
+        if replaced and amx:
+            report.prefill_bf16_amx_from_rows = MIN_ROWS
         report.int8_prefill_kernels = replaced
         log.info("int8-activation prefill kernels: %d", replaced)
         return mod

@@ -11,6 +11,7 @@ a target has (`compiler/cpu_levels.py`), so the list follows the code actually g
 
 from __future__ import annotations
 
+import functools
 import platform
 import subprocess
 import sys
@@ -41,6 +42,7 @@ X86_FEATURES = {
     "avx512vbmi": "avx512vbmi",
     "avx_vnni": "avxvnni",
     "amx_tile": "amx-tile",
+    "amx_bf16": "amx-bf16",
 }
 ARM_FEATURES = {
     "asimd": "neon",
@@ -111,10 +113,38 @@ def _mac_features() -> frozenset[str]:
 
 
 def host_features() -> frozenset[str]:
-    """The running CPU's features, in /proc/cpuinfo spelling (empty when unknown)."""
+    """The running CPU's features, in /proc/cpuinfo spelling (empty when unknown).
+
+    AMX counts only once Linux has given this process its tile state
+    (`request_amx_tiles`): a CPU that has AMX but a kernel that refuses it runs no AMX
+    library, so such a library is refused at load, not by an illegal instruction."""
     if host_os() == "macos":
         return _mac_features()
     try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
+    if "amx_tile" in flags and not request_amx_tiles():
+        flags = frozenset(f for f in flags if not f.startswith("amx_"))
+    return flags
+
+
+_ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask for an extended state component
+_XFEATURE_XTILEDATA = 18  # the AMX tile data
+_SYS_ARCH_PRCTL = 158  # x86-64
+
+
+@functools.cache
+def request_amx_tiles() -> bool:
+    """Ask Linux for the AMX tile state for this process (every thread, from then on);
+    whether it was given. Linux (5.16 on) starts a process without it, and a tile
+    instruction before the request dies with SIGILL."""
+    if host_os() != "linux" or host_machine() != "x86_64":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False

@@ -167,6 +167,9 @@ class TVMModelRunner:
         # `--deterministic`: each token through the same function at every batch size
         # (`forward`); set by the engine factory.
         self.batch_invariant = False
+        # prefill's matmul kernels switch path by a call's row count (AMX from this many
+        # rows: `prefill_bf16_amx_from_rows`): batch-invariant runs give each chunk a call
+        self.prefill_rows_switch = (library.details or {}).get("prefill_bf16_amx_from_rows")
         self._controls = None  # device buffer for `sample`'s per-row controls
         get = self._global_func
         self._add_seq = get("vm.builtin.kv_state_add_sequence")
@@ -261,7 +264,7 @@ class TVMModelRunner:
             ends = np.cumsum(lengths)
             positions = [np.arange(e - c, e) for e, c in zip(ends, counts, strict=True)]
             logits = self._run(items, np.concatenate(positions).astype(np.int32))
-        elif self.batch_invariant and 1 in lengths and max(lengths) > 1:
+        elif self.batch_invariant and self._mixes_paths(lengths):
             logits = self._run_apart(items)
         else:
             logits = self._run(items, np.cumsum(lengths, dtype=np.int32) - 1)
@@ -384,6 +387,12 @@ class TVMModelRunner:
             logits = logits._create_view((rows, 1, self.vocab_size))
         return logits
 
+    def _mixes_paths(self, lengths: list[int]) -> bool:
+        """Whether one forward of items of these token counts could give a token another
+        path than its item alone would (`_run_apart`)."""
+        chunks = sum(n > 1 for n in lengths)
+        return (1 in lengths and chunks > 0) or (bool(self.prefill_rows_switch) and chunks > 1)
+
     def _run_apart(self, items: list[tuple[int, list[int]]]):
         """A batch mixing single tokens and longer chunks, as two forwards: the single tokens
         through `batch_decode`, the chunks through `batch_prefill`; the logits in item order.
@@ -391,11 +400,17 @@ class TVMModelRunner:
         In one forward the single tokens would take the prefill kernels (float activations,
         the prefill attention) whenever a chunk shares their step, and the decode kernels
         otherwise: their numbers would depend on what else is running (docs/cpu-kernels.md).
+        When prefill's matmuls pick their path by a call's row count (AMX for 32 rows or
+        more, `prefill_rows_switch`), each chunk is a forward of its own: its path is then
+        its own row count, which the deterministic chunk grid fixes.
         """
         singles = [i for i, (_, toks) in enumerate(items) if len(toks) == 1]
         chunks = [i for i, (_, toks) in enumerate(items) if len(toks) > 1]
         out = np.empty((len(items), self.vocab_size), dtype=np.float32)
-        for part in (chunks, singles):
+        parts = [[i] for i in chunks] if self.prefill_rows_switch else [chunks]
+        for part in [*parts, singles]:
+            if not part:
+                continue
             sub = [items[i] for i in part]
             ends = np.cumsum([len(t) for _, t in sub], dtype=np.int32) - 1
             out[part] = self._run(sub, ends).numpy().reshape(len(part), self.vocab_size)

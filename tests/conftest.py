@@ -19,6 +19,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TVM_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Linux gives a process AMX tiles only on request; the runtime asks when it picks a library,
+# and tests that run compiled kernels without it ask here (nothing on other machines).
+from tallow.runtime.cpu_features import request_amx_tiles  # noqa: E402
+
+request_amx_tiles()
+
 # gguf.quants.dequantize, the kernels' oracle, for the GGML types the package lacks (Q1_0)
 import ggml_extra_types  # noqa: E402, F401
 

@@ -47,6 +47,9 @@ class BuildReport:
     batch_invariant_decode: bool | None = None
     prefill_activations: str | None = None  # CPU: int8_prefill_pass's ACTIVATIONS or "float32"
     int8_prefill_kernels: int | None = None  # CPU: prefill matmuls given int8 kernels
+    # CPU with AMX: a prefill call of at least this many rows runs bf16 products on AMX tiles
+    # (`schedules.cpu.amx_prefill`); fewer rows, `prefill_activations`
+    prefill_bf16_amx_from_rows: int | None = None
     schedules: dict[str, Any] | None = None  # GPU: rule per kernel, families, tensor-core use
     cuda_graph: dict[str, Any] | None = None  # CUDA: what RewriteCUDAGraph captured
     # rows (as a string) -> the static-row batch-decode function exported for it

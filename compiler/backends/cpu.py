@@ -65,7 +65,8 @@ class CPUBackend(TargetBackend):
         if self.has_int8_decode(target):
             vnni = self.has_avx512_vnni(target)
             passes.append(int8_decode_kernels(spec.report, vnni=vnni))
-            passes.append(int8_prefill_kernels(spec.report, vnni=vnni))
+            amx = vnni and self.has_amx_bf16(target)
+            passes.append(int8_prefill_kernels(spec.report, vnni=vnni, amx=amx))
         return passes
 
     def schedule_pass(self, spec: TargetSpec, target):
@@ -108,3 +109,10 @@ class CPUBackend(TargetBackend):
         from tallow.schedules.cpu import int8_vnni
 
         return int8_vnni.supported(target)
+
+    def has_amx_bf16(self, target) -> bool:
+        """AMX tiles with bf16 products (Sapphire Rapids and newer): prefill's matmuls take
+        them (`schedules.cpu.amx_prefill`)."""
+        from tallow.schedules.cpu import amx_prefill
+
+        return amx_prefill.supported(target)

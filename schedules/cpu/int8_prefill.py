@@ -67,6 +67,11 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
 
     Same parameters as the `quant_matmul` PrimFunc it replaces: (x, w, out), or (x, w,
     table, out) for a format with a constant table (the lattice i-quants' grids)."""
+    return prefill_func(qtype, n_out, k, prefill_body(qtype, n_out, k, rows))
+
+
+def prefill_body(qtype: str, n_out: int, k: int, rows: int = ROWS):
+    """The kernel's body, a macro `(x, w, out, table, tokens)` (see `prefill_func`)."""
     if k % LANES or n_out % COLS:
         raise ValueError(f"int8 prefill needs k % {LANES} == 0 and n % {COLS} == 0")
     groups = k // LANES
@@ -76,10 +81,7 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     tile = int8_vnni.tile_macro(qtype, groups)
 
     @T.macro
-    def body(x_handle, w, out_handle, table):
-        tokens = T.int64()
-        x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
-        out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
+    def body(x, w, out, table, tokens):
         # the decode macros' view: one row per token
         rows_in = T.decl_buffer((tokens, T.int64(1), k), "float32", data=x.data)
         rows_out = T.decl_buffer((tokens, T.int64(1), n_out), "float32", data=out.data)
@@ -146,13 +148,15 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                             r, 0, T.Ramp(0, 1, COLS)
                         ]
 
-    return prefill_func(qtype, n_out, rb, body)
+    return body
 
 
-def prefill_func(qtype: str, n_out: int, rb: int, body):
-    """The PrimFunc around a prefill kernel's `body` macro, (x_handle, w, out_handle, table):
-    the parameters of the `quant_matmul` it replaces, (x, w, out), or (x, w, table, out) for
-    a format with a constant table (the lattice i-quants' grids), `table` None otherwise."""
+def prefill_func(qtype: str, n_out: int, k: int, body):
+    """The PrimFunc around a prefill kernel's `body` macro, `(x, w, out, table, tokens)`
+    (x `[1, tokens, K]`, out `[1, tokens, n_out]`, `table` None for a format without one):
+    the parameters of the `quant_matmul` it replaces, (x, w, out), or (x, w, table, out)
+    for a format with a constant table (the lattice i-quants' grids)."""
+    rb = get_format(qtype).row_bytes(k)
     if get_format(qtype).table is not None:  # a lattice format: its grid, a constant input
         size = len(get_format(qtype).table())
 
@@ -164,27 +168,35 @@ def prefill_func(qtype: str, n_out: int, rb: int, body):
             out_handle: T.handle,
         ):
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
-            body(x_handle, w, out_handle, table)
+            tokens = T.int64()
+            x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
+            out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
+            body(x, w, out, table, tokens)
 
         return gemm_table
 
     @T.prim_func(s_tir=True, private=True)
     def gemm(x_handle: T.handle, w: T.Buffer((n_out, rb), "uint8"), out_handle: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
-        body(x_handle, w, out_handle, None)
+        tokens = T.int64()
+        x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
+        out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
+        body(x, w, out, None, tokens)
 
     return gemm
 
 
-def prefill_kernel_for(func, vnni: bool = True):
+def prefill_kernel_for(func, vnni: bool = True, amx: bool = False):
     """The int8 prefill kernel replacing `func`, or None when `func` is not a quantized
     matmul over `[1, tokens, K]` with a symbolic token count or its format has no int8
     tiles on this CPU level. `vnni`: AVX-512 VNNI's tiles (this module), else AVX2's
-    column tiles (`int8_prefill_columns`)."""
+    column tiles (`int8_prefill_columns`); `amx`: with AMX, `amx_prefill`'s bf16 tiles
+    (which take these for calls of a few rows) where the output has whole 32 columns."""
     from tallow.compiler.quant import get_format as format_of
     from tallow.model_defs.quant_ops import QUANT_TYPE_ATTR
 
     from ..tir_common import static_extent
+    from . import amx_prefill
     from . import int8_prefill_columns as columns
 
     if not func.attrs or QUANT_TYPE_ATTR not in func.attrs:
@@ -208,6 +220,8 @@ def prefill_kernel_for(func, vnni: bool = True):
         return None
     if format_of(qtype).int8 is None:
         return None
+    if vnni and amx and n % amx_prefill.COLS == 0:
+        return amx_prefill.amx_prefill_kernel(qtype, n, k)
     if vnni:
         return prefill_kernel(qtype, n, k)
     return columns.prefill_kernel(qtype, n, k) if columns.supported(qtype) else None

@@ -116,10 +116,7 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
     float_m = not int8_columns.multiplier_in_int32(qtype)
 
     @T.macro
-    def body(x_handle, w, out_handle, table):
-        tokens = T.int64()
-        x = T.match_buffer(x_handle, (T.int64(1), tokens, k), "float32")
-        out = T.match_buffer(out_handle, (T.int64(1), tokens, n_out), "float32")
+    def body(x, w, out, table, tokens):
         # the decode macros' view: one row per token
         rows_in = T.decl_buffer((tokens, T.int64(1), k), "float32", data=x.data)
         rows_out = T.decl_buffer((tokens, T.int64(1), n_out), "float32", data=out.data)
@@ -163,4 +160,4 @@ def prefill_kernel(qtype: str, n_out: int, k: int, rows: int = ROWS):
                         table,
                     )
 
-    return prefill_func(qtype, n_out, rb, body)
+    return prefill_func(qtype, n_out, k, body)

@@ -155,8 +155,14 @@ def store_vectors(buf, vectors):
     buf[T.Ramp(112, 1, 16)] = vectors[7]
 
 
-def tile_macro(qtype: str, groups: int):
+def tile_macro(qtype: str, groups: int, group_hook=None):
     """A macro: columns `n0..n0+15` for `rows` sequences from `r0`, the whole K.
+
+    `group_hook`: a macro `(acc, g, ct, scale_of, offset_of, shift)` called for each group
+    in place of the rows' updates, with the group's transposed codes `ct` (8 step vectors),
+    the functions giving its 16 columns' scales and offsets per half, and what to add to
+    each code byte first: weight = scale * (code + shift) + offset. AMX prefill's
+    (`amx_prefill`) decodes the weights to bf16 with them; `acc` is then the caller's.
 
     Arguments: the weight buffer, `n0`, `r0`, `rows`, the int8 activations `xq` ([rows,
     groups, 32]), `steps` (float32 [rows, groups]: each group's multiplier times the row's
@@ -207,12 +213,12 @@ def tile_macro(qtype: str, groups: int):
     if block_scales is not None and halves == 1:
         from .int8_vnni_blocks import block_tile_macro  # (it imports this module)
 
-        return block_tile_macro(qtype, groups, update, prefetch_group)
+        return block_tile_macro(qtype, groups, update, prefetch_group, group_hook)
 
     if codes_of(qtype).six_bit_at is not None:
         from .int8_vnni_sixbit import six_bit_tile_macro  # (it imports this module)
 
-        return six_bit_tile_macro(qtype, groups, update, prefetch_group, store_scales)
+        return six_bit_tile_macro(qtype, groups, update, prefetch_group, store_scales, group_hook)
 
     def legacy_scale(sc):
         return lambda h: sc.vload([h * COLS], "float32x16")
@@ -231,6 +237,14 @@ def tile_macro(qtype: str, groups: int):
             )
         return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
 
+    def raw_offset(sc):
+        return lambda h: sc.vload([(2 + h) * COLS], "float32x16")
+
+    # what the hook adds to each code byte for the offsets `raw_offset` gives: -128 where
+    # `legacy_offset` moves the flip into the offset (weight = scale * code + offset, the
+    # large opposite terms of a flipped code and its offset rounded away; iq1_s's offset)
+    raw_shift = -128 if flip_offset else 0
+
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0, table=None):
         # the sums accumulate in the caller's `acc`, so a tile takes any number of rows: a
@@ -239,8 +253,9 @@ def tile_macro(qtype: str, groups: int):
         ct = T.sblock_alloc_buffer((STEPS * COLS,), "int32")  # transposed codes
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
         cb = T.sblock_alloc_buffer((COLS * LANES,), "int8")  # a lattice format's codes
-        for r in range(rows):
-            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        if group_hook is None:
+            for r in range(rows):
+                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for g in range(groups):
             for c in T.unroll(COLS):
                 T.evaluate(prefetch_group(w, n0 + COLS + c, g))
@@ -250,10 +265,13 @@ def tile_macro(qtype: str, groups: int):
             tr = T.meta_var(step_vectors(w, n0, g, qtype, None if table is None else cb))
             store_vectors(ct, tr)
             store_scales(sc, w, n0, g, table)
-            for r in range(rows):
-                upd = T.meta_var(
-                    update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
-                )
-                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
+            if group_hook is not None:  # (signed codes un-flipped: exact weights)
+                group_hook(acc, g, ct, legacy_scale(sc), raw_offset(sc), raw_shift)
+            else:
+                for r in range(rows):
+                    upd = T.meta_var(
+                        update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
+                    )
+                    acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
 
     return tile

@@ -47,12 +47,12 @@ def block_scale_rows(w, n0, b, qtype: str):
     return [result[which][h::halves] for which in (0, 1) for h in range(halves)]
 
 
-def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
+def block_tile_macro(qtype: str, groups: int, update, prefetch_group, group_hook=None):
     """`tile_macro` for formats with `block_scales` (the K-quants): the loop goes over
     super-blocks, whose scales and offsets for the 16 columns are decoded and transposed
     once (`block_scale_rows`) into stack arrays that each group reads as vectors. Decoding
     each row's group scale with scalar byte arithmetic had cost more than the group's 128
-    `vpdpbusd` of 16 sequences."""
+    `vpdpbusd` of 16 sequences. `group_hook`: as `int8_vnni.tile_macro`'s."""
     fmt = get_format(qtype)
     per_block = fmt.block_size // LANES
     blocks = groups // per_block
@@ -82,13 +82,15 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
         shift = tirx.Broadcast(tirx.const(4, "int32"), COLS)
         return [v & mask for v in joined] + [(v >> shift) & mask for v in joined]
 
+    def unit_scales(s0, o0, u):
+        """Group `u` of the block's (scale_of, offset_of), one half."""
+        return (
+            lambda _h: s0.vload([u * COLS], "float32x16"),
+            lambda _h: o0.vload([u * COLS], "float32x16"),
+        )
+
     def group_update(s0, o0, ct, xq, steps, xs, row, b, u):
-        def scale_of(_h):
-            return s0.vload([u * COLS], "float32x16")
-
-        def offset_of(_h):
-            return o0.vload([u * COLS], "float32x16")
-
+        scale_of, offset_of = unit_scales(s0, o0, u)
         return update(ct, scale_of, offset_of, xq, steps, xs, row, b * per_block + u)
 
     @T.macro
@@ -98,8 +100,9 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
         s0 = T.sblock_alloc_buffer((per_block * COLS,), "float32")  # scales
         o0 = T.sblock_alloc_buffer((per_block * COLS,), "float32")  # offsets
         # the sums accumulate in `acc` (see `int8_vnni.tile_macro`)
-        for r in range(rows):
-            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        if group_hook is None:
+            for r in range(rows):
+                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for b in range(blocks):
             sv = T.meta_var(block_scale_rows(w, n0, b, qtype))
             store_vectors(s0, sv[0])
@@ -111,11 +114,15 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
                         T.evaluate(prefetch_group(w, n0 + COLS + c, g))
                     tr = T.meta_var(step_vectors(w, n0, g, qtype))
                     store_vectors(ct, tr)
-                    for r in range(rows):
-                        upd = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, u))
-                        acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
-                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
-                        )
+                    if group_hook is not None:
+                        su = T.meta_var(unit_scales(s0, o0, u))
+                        group_hook(acc, g, ct, su[0], su[1], 0)
+                    else:
+                        for r in range(rows):
+                            upd = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, u))
+                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
+                                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
+                            )
             else:
                 for p in range(per_block // 2):
                     for c in T.unroll(COLS):
@@ -130,13 +137,21 @@ def block_tile_macro(qtype: str, groups: int, update, prefetch_group):
                     ct2[T.Ramp(80, 1, 16)] = pv[13]
                     ct2[T.Ramp(96, 1, 16)] = pv[14]
                     ct2[T.Ramp(112, 1, 16)] = pv[15]
-                    for r in range(rows):
-                        lo = T.meta_var(group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, p * 2))
-                        hi = T.meta_var(
-                            group_update(s0, o0, ct2, xq, steps, xs, r0 + r, b, p * 2 + 1)
-                        )
-                        acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
-                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + lo + hi
-                        )
+                    if group_hook is not None:
+                        lo_s = T.meta_var(unit_scales(s0, o0, p * 2))
+                        hi_s = T.meta_var(unit_scales(s0, o0, p * 2 + 1))
+                        group_hook(acc, b * per_block + p * 2, ct, lo_s[0], lo_s[1], 0)
+                        group_hook(acc, b * per_block + p * 2 + 1, ct2, hi_s[0], hi_s[1], 0)
+                    else:
+                        for r in range(rows):
+                            lo = T.meta_var(
+                                group_update(s0, o0, ct, xq, steps, xs, r0 + r, b, p * 2)
+                            )
+                            hi = T.meta_var(
+                                group_update(s0, o0, ct2, xq, steps, xs, r0 + r, b, p * 2 + 1)
+                            )
+                            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = (
+                                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + lo + hi
+                            )
 
     return tile

@@ -68,9 +68,10 @@ def group_steps(lows0, lows1, highs, j):
     return out
 
 
-def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_scales):
+def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_scales, group_hook):
     """`tile_macro` for q6k (`Int8Codes.six_bit_at`): the loop goes over 128-weight halves
-    of the super-blocks, 4 groups each, and transposes 3 runs of bytes per half."""
+    of the super-blocks, 4 groups each, and transposes 3 runs of bytes per half
+    (`group_hook`: as `int8_vnni.tile_macro`'s)."""
     per_block = get_format(qtype).block_size // 32
     if per_block != 2 * QUAD:
         raise ValueError(f"{qtype}: six-bit tiles need 256-weight super-blocks")
@@ -88,11 +89,14 @@ def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_sc
         tr = T.meta_var(group_steps(lows0, lows1, highs, j))
         store_vectors(ct, tr)
         store_scales(sc, w, n0, g)
-        for r in range(rows):
-            upd = T.meta_var(
-                update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
-            )
-            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
+        if group_hook is not None:
+            group_hook(acc, g, ct, legacy_scale(sc), legacy_offset(sc), 0)
+        else:
+            for r in range(rows):
+                upd = T.meta_var(
+                    update(ct, legacy_scale(sc), legacy_offset(sc), xq, steps, xs, r0 + r, g)
+                )
+                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] + upd
 
     @T.macro
     def tile(w, n0, r0, rows, xq, steps, xs, acc, a0, c0):
@@ -101,8 +105,9 @@ def six_bit_tile_macro(qtype: str, groups: int, update, prefetch_group, store_sc
         lows1 = T.sblock_alloc_buffer((STEPS * COLS,), "int32")
         highs = T.sblock_alloc_buffer((STEPS * COLS,), "int32")
         sc = T.sblock_alloc_buffer((4 * COLS,), "float32")  # scales lo, hi; offsets lo, hi
-        for r in range(rows):
-            acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
+        if group_hook is None:
+            for r in range(rows):
+                acc[a0 + r, 0, T.Ramp(c0, 1, COLS)] = T.Broadcast(T.float32(0), COLS)
         for q in range(groups // QUAD):
             runs = T.meta_var(transposed_runs(w, n0, q // 2, q % 2, qtype))
             store_vectors(lows0, runs[0])
