@@ -62,6 +62,18 @@ LEVELS = {
             "x86-64-v4 plus AVX-512 VNNI int8 dot products (Ice Lake, Zen 4 and newer)",
         ),
         CPULevel(
+            "x86-64-v4-amx",
+            {
+                **_X86,
+                "mcpu": "x86-64-v4",
+                "mattr": ["+avx512vnni", "+avx512bf16", "+amx-tile", "+amx-int8", "+amx-bf16"],
+            },
+            "linux-x86_64",
+            True,
+            "x86-64-v4-vnni plus AMX tiles and bf16 (Sapphire Rapids and newer Xeons): prefill "
+            "on AMX",
+        ),
+        CPULevel(
             "arm64",
             {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
             "linux-arm64",

@@ -260,6 +260,8 @@ class TVMModelRunner:
         rows = sum(counts)
         if rows > len(items) and counts == lengths and self.device_kind.verifies_in_decode:
             logits = self._run_tokens_as_rows(items)
+        elif rows > len(items) and self.batch_invariant and self._mixes_paths(lengths):
+            logits = self._run_each(items, counts)
         elif rows > len(items):
             ends = np.cumsum(lengths)
             positions = [np.arange(e - c, e) for e, c in zip(ends, counts, strict=True)]
@@ -302,8 +304,11 @@ class TVMModelRunner:
         if min(lengths) < 1:
             raise ValueError("every forward item needs at least one token")
         total = int(sum(lengths))
-        logits = self._run(items, np.arange(total, dtype=np.int32))
-        rows = logits.numpy().reshape(total, self.vocab_size)
+        if self.batch_invariant and self._mixes_paths(lengths):
+            rows = self._run_each(items, lengths).numpy()
+        else:
+            logits = self._run(items, np.arange(total, dtype=np.int32))
+            rows = logits.numpy().reshape(total, self.vocab_size)
         return np.split(rows, np.cumsum(lengths)[:-1])
 
     def forward_hidden(self, items: list[tuple[int, list[int]]]) -> list[np.ndarray]:
@@ -392,6 +397,16 @@ class TVMModelRunner:
         path than its item alone would (`_run_apart`)."""
         chunks = sum(n > 1 for n in lengths)
         return (1 in lengths and chunks > 0) or (bool(self.prefill_rows_switch) and chunks > 1)
+
+    def _run_each(self, items: list[tuple[int, list[int]]], counts: list[int]):
+        """Each item a forward of its own, the logits of its last `counts[i]` tokens (prompt
+        log-probabilities under `batch_invariant`: see `_run_apart`)."""
+        parts = []
+        for item, c in zip(items, counts, strict=True):
+            n = len(item[1])
+            logits = self._run([item], np.arange(n - c, n, dtype=np.int32))
+            parts.append(logits.numpy().reshape(c, self.vocab_size))
+        return self._tvm.runtime.tensor(np.concatenate(parts), self.device)
 
     def _run_apart(self, items: list[tuple[int, list[int]]]):
         """A batch mixing single tokens and longer chunks, as two forwards: the single tokens

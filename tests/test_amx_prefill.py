@@ -37,14 +37,17 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 def test_amx_prefill_matches_bf16_numpy(qtype):
     """Every format with int8 groups, 64 columns (two tasks of 32), 2 super-blocks a row:
     a call of 40 rows (one tile, passes of 32 past its rows) and of 133 (a second tile of 5
-    rows) against the bf16 oracle; 5 rows, the VNNI tiles, bit for bit."""
+    rows) against the bf16 oracle, and a row's bits the same in both calls; 5 rows, the VNNI
+    tiles, bit for bit."""
     k, n = 512, 64
     blocks, deq = _weights(qtype, n, k, seed=71)
     extra = _table(qtype) if qtype in LATTICE_TYPES else []
     lib = _build(amx_prefill.amx_prefill_kernel(qtype, n, k))
     vnni = _build(prefill_kernel(qtype, n, k))
+    rows = _activations(133, k, seed=72)
+    first = None
     for tokens in (5, 40, 133):
-        x = _activations(tokens, k, seed=72 + tokens)
+        x = np.ascontiguousarray(rows.reshape(133, k)[:tokens])
         got, few = (tvm.runtime.empty((1, tokens, n), "float32") for _ in range(2))
         args = [tvm.runtime.tensor(x.reshape(1, tokens, k)), tvm.runtime.tensor(blocks), *extra]
         lib["main"](*args, got)
@@ -57,9 +60,14 @@ def test_amx_prefill_matches_bf16_numpy(qtype):
         ref, bound = xb @ wb.T, np.abs(xb) @ np.abs(wb).T
         err = np.abs(got - ref)
         assert (err <= 1e-5 * bound + 1e-6).all(), f"{tokens} rows: max err {err.max()}"
-        # the bf16 path really ran: the int8 tiles' rounding is 10x further from float
+        # the bf16 path really ran, and nearer float than the int8 tiles' rounding (about
+        # 2x on these Gaussian rows; 10-15x on a row with an outlier)
         exact = x.reshape(tokens, k).astype(np.float64) @ deq.T
-        assert np.abs(got - exact).max() * 5 < np.abs(few - exact).max()
+        assert np.abs(got - exact).max() * 1.3 < np.abs(few - exact).max()
+        if first is None:
+            first = got
+        else:  # a row's result does not depend on the call's other rows
+            np.testing.assert_array_equal(got[: len(first)], first)
 
 
 def test_pass_gives_amx_kernels_where_columns_allow():

@@ -162,7 +162,16 @@ def _level_kernels(level: str) -> dict:
 
 @pytest.mark.parametrize(
     "level",
-    ["native", "x86-64-v2", "x86-64-v3", "x86-64-v4", "x86-64-v4-vnni", "arm64", "apple-m1"],
+    [
+        "native",
+        "x86-64-v2",
+        "x86-64-v3",
+        "x86-64-v4",
+        "x86-64-v4-vnni",
+        "x86-64-v4-amx",
+        "arm64",
+        "apple-m1",
+    ],
 )
 def test_matmul_rows_do_not_depend_on_the_batch_at_every_cpu_level(level):
     """The quantized and float matmuls of `batch_decode` and `prefill` as a library for `level`
@@ -179,7 +188,7 @@ def test_matmul_rows_do_not_depend_on_the_batch_at_every_cpu_level(level):
 
     runs_here = _runs_here(resolve_level(level))
     if "+avx512vnni" in resolve_level(level).tvm_target.get("mattr", []) and not runs_here:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip(f"this CPU cannot run {level}'s instructions (AVX-512 VNNI, AMX)")
     kernels = _level_kernels(level)
     assert len(kernels) == 2 * (len(QTYPES) + 1), sorted(kernels)
     run_on = Target(resolve_level(level if runs_here else "native").tvm_target)

@@ -150,19 +150,22 @@ def test_levels_require_what_llvm_generates_for_them():
     assert v2 < v3 and {"avx", "avx2", "fma", "bmi2"} <= v3 and "avx512f" not in v3
     assert v3 < v4 and {"avx512f", "avx512bw", "avx512vl"} <= v4 and "avx512_vnni" not in v4
     assert vnni == v4 | {"avx512_vnni"}
+    assert needs("x86-64-v4-amx") == vnni | {"avx512_bf16", "amx_tile", "amx_bf16"}
     assert {"asimd", "asimddp"} <= needs("apple-m1") and needs("arm64") == {"asimd"}
 
 
 def test_named_levels_do_not_read_the_build_host():
     from tvm.target import Target
 
-    from tallow.schedules.cpu import int8_vnni
+    from tallow.schedules.cpu import amx_prefill, int8_vnni
     from tallow.schedules.tir_common import register_bits
 
     v3 = Target(resolve_level("x86-64-v3").tvm_target)
     assert register_bits(v3) == 256  # TVM alone says 512 for this AVX2 level
     assert not int8_vnni.supported(v3)
     assert int8_vnni.supported(Target(resolve_level("x86-64-v4-vnni").tvm_target))
+    assert amx_prefill.supported(Target(resolve_level("x86-64-v4-amx").tvm_target))
+    assert not amx_prefill.supported(Target(resolve_level("x86-64-v4-vnni").tvm_target))
     assert resolve_level(None).name == "native"
     with pytest.raises(TargetError, match="--cpu 'x86-64-v5' is not a CPU level; choose from"):
         resolve_level("x86-64-v5")

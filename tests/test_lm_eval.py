@@ -68,7 +68,13 @@ def lm_eval_run(smollm2_artifact, tmp_path_factory):
     from tallow.server.app import ServerOptions
 
     tmp = tmp_path_factory.mktemp("lm_eval")
-    server = start_server(smollm2_artifact, ServerOptions(), max_num_seqs=4, kv_cache_mem_mb=64)
+    # deterministic: a request's logits are then its own whatever lm_eval batches beside it
+    # (on a CPU with AMX, prefill's matmuls take bf16 tiles for calls of 32 rows or more,
+    # so in normal mode a prompt batched with others gets other bits than alone: up to
+    # 0.02 in a log-likelihood here); the oracle runs each text alone
+    server = start_server(
+        smollm2_artifact, ServerOptions(), max_num_seqs=4, kv_cache_mem_mb=64, deterministic=True
+    )
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
