@@ -44,6 +44,16 @@ def register_bits(target) -> int:
     return min(bits, 128)  # SSE, NEON
 
 
+def llvm_has_features(target, features) -> bool:
+    """Whether `target` is an LLVM target with every one of `features` (LLVM's names)."""
+    if target is None or target.kind.name != "llvm":
+        return False
+    try:
+        return all(bool(tvm.target.codegen.target_has_features(f, target)) for f in features)
+    except Exception:  # noqa: BLE001 - an LLVM without this architecture has no such features
+        return False
+
+
 # --- float32 math without libm -----------------------------------------------------------
 LOG2E = math.log2(math.e)
 # 2**f on [0, 1): least-squares degree-6 fit, relative error 2.6e-9 (below float32's)

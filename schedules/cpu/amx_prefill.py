@@ -48,6 +48,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..tir_common import llvm_has_features
 from . import int8_vnni
 from .int8_codes import LANES
 from .int8_ops import offset_halves
@@ -64,14 +65,7 @@ _A, _B = 4, 6  # registers: the pass's two A tiles, the group's two B tiles
 
 def supported(target) -> bool:
     """Whether `target` (an x86 LLVM target) has AMX tiles with bf16 products."""
-    from tvm.target import codegen
-
-    if target is None or target.kind.name != "llvm":
-        return False
-    try:
-        return all(bool(codegen.target_has_features(f, target)) for f in FEATURES)
-    except Exception:  # noqa: BLE001 - an LLVM without x86 support has no such features
-        return False
+    return llvm_has_features(target, FEATURES)
 
 
 def _c(i: int):

@@ -44,7 +44,7 @@ from tvm.script import tirx as T
 
 from tallow.compiler.quant.registry import get_format
 
-from ..tir_common import STREAM, prefetch
+from ..tir_common import STREAM, llvm_has_features, prefetch
 from .int8_codes import LANES, codes_of, group
 from .int8_columns import nibble_steps, scales_macro, transpose
 from .int8_ops import offset_halves
@@ -58,14 +58,7 @@ FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 
 def supported(target) -> bool:
     """Whether `target` (an x86 LLVM target) has the AVX-512 VNNI these tiles need."""
-    from tvm.target import codegen
-
-    if target is None or target.kind.name != "llvm":
-        return False
-    try:
-        return all(bool(codegen.target_has_features(f, target)) for f in FEATURES)
-    except Exception:  # noqa: BLE001 - an LLVM without x86 support has no such features
-        return False
+    return llvm_has_features(target, FEATURES)
 
 
 def _c(i: int):
